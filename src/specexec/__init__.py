@@ -1,0 +1,15 @@
+"""specexec: fast LLM generation on limited hardware through speculative decoding."""
+
+from specexec.engine import METHODS, Chunk, GenerationError, GenerationOutput, Stats, generate, stream
+from specexec.sampling import SamplingParams
+
+__all__ = [
+    "METHODS",
+    "Chunk",
+    "GenerationError",
+    "GenerationOutput",
+    "SamplingParams",
+    "Stats",
+    "generate",
+    "stream",
+]

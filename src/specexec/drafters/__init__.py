@@ -1,0 +1,29 @@
+"""How candidates are proposed. Each method is a drafter plus an acceptance rule (see `verify`)."""
+
+from __future__ import annotations
+
+from specexec.drafters.base import Draft, Drafter, DraftRequest
+from specexec.drafters.best_first import BestFirstDrafter
+from specexec.drafters.chain import ChainDrafter
+from specexec.drafters.sampled_tree import SampledTreeDrafter
+from specexec.tree import DraftTree
+
+
+class NoDrafter:
+    """Plain autoregressive decoding: the tree is the root alone, so each step emits one target sample."""
+
+    max_tree_size = 1
+
+    def propose(self, request: DraftRequest) -> Draft:
+        return Draft(DraftTree(int(request.committed[-1]), 1, request.committed.device))
+
+
+__all__ = [
+    "BestFirstDrafter",
+    "ChainDrafter",
+    "Draft",
+    "DraftRequest",
+    "Drafter",
+    "NoDrafter",
+    "SampledTreeDrafter",
+]

@@ -1,0 +1,101 @@
+"""What every drafter shares: the proposal it returns and the draft forwards over a tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specexec.runner import ModelRunner
+from specexec.sampling import SamplingParams
+from specexec.tree import DraftTree
+
+
+@dataclass
+class Draft:
+    """A proposal for one step: the tree to verify and, for sampled drafts, the distribution q that the
+    children of each expanded node were drawn from (node -> (V,) probabilities)."""
+
+    tree: DraftTree
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    draft_calls: int = 0
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter needs to know about the sequence so far."""
+
+    committed: torch.Tensor  # (n,) prompt and emitted tokens; the last one is the tree root
+    max_depth: int  # deepest useful node: the step emits at most max_depth + 1 tokens
+    eos_token_ids: torch.Tensor  # (E,) tokens after which nothing is generated
+    vocab_size: int  # the target's: draft tokens beyond it can never be accepted
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+class Drafter(Protocol):
+    max_tree_size: int
+
+    def propose(self, request: DraftRequest) -> Draft: ...
+
+
+class TreeDraftRunner:
+    """The draft model's forwards for one step: catch up on the committed tokens, then expand tree nodes.
+
+    Tree node i lives in KV slot `root_slot + i`, the same layout the target uses for verification.
+    """
+
+    def __init__(self, runner: ModelRunner, request: DraftRequest, tree: DraftTree) -> None:
+        self.runner = runner
+        self.request = request
+        self.tree = tree
+        self.root_slot = request.committed.numel() - 1
+        self.calls = 0
+
+    def expand_root(self) -> torch.Tensor:
+        """Draft logits (1, V) for the root's children; also feeds any committed tokens it has not seen."""
+        missing = self.request.committed[self.runner.length :]  # (m,), ends with the root
+        logits = self.runner.extend(missing, logits_to_keep=1)
+        self.tree.expanded[0] = True
+        self.calls += 1
+        return self._fit_vocab(logits)
+
+    def expand(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Draft logits (len(nodes), V) for the children of tree `nodes` (all of whose ancestors are expanded)."""
+        logits = tree_forward(self.runner, self.tree, nodes, self.root_slot)
+        self.tree.expanded[nodes] = True
+        self.calls += 1
+        return self._fit_vocab(logits)
+
+    def keep_nodes(self, nodes: torch.Tensor) -> None:
+        """Renumber the tree to `nodes` and move their draft KV along with them."""
+        self.runner.move(self.root_slot + nodes, self.root_slot)
+        self.tree.keep(nodes)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        vocab = self.request.vocab_size
+        if logits.shape[-1] >= vocab:
+            return logits[:, :vocab]
+        pad = logits.new_full((logits.shape[0], vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+
+def tree_forward(runner: ModelRunner, tree: DraftTree, nodes: torch.Tensor, root_slot: int) -> torch.Tensor:
+    """Forward tree `nodes` (ascending) into slots root_slot + node; returns logits (len(nodes), V).
+
+    Each node attends to the committed prefix [0, root_slot) and to its own ancestors in the tree.
+    """
+    size = tree.size
+    prefix = torch.ones(nodes.numel(), root_slot, dtype=torch.bool, device=nodes.device)
+    allowed = torch.cat([prefix, tree.ancestors[nodes, :size]], dim=1)  # (n, root_slot + size)
+    positions = root_slot + tree.depths[nodes]  # depth, not slot: siblings share a position
+    return runner.forward_tree(tree.tokens[nodes], positions, root_slot + nodes, allowed)
+
+
+def expandable(tree: DraftTree, request: DraftRequest) -> torch.Tensor:
+    """Nodes that may still get children: not expanded, not end-of-sequence, not at the depth limit."""
+    size = tree.size
+    ok = ~tree.expanded[:size] & (tree.depths[:size] < request.max_depth)
+    return ok & ~torch.isin(tree.tokens[:size], request.eos_token_ids)

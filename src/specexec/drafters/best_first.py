@@ -1,0 +1,64 @@
+"""SpecExec: grow the draft's most probable continuations best-first, up to a token budget.
+
+Each round runs one draft forward over the `expand` best unexpanded nodes, adds their `width` most
+probable children scored by cumulative draft log-probability, and keeps the `budget` best nodes. A child
+never scores above its parent, and ties are broken towards the shallower node, so "the best B nodes" is
+always ancestor-closed: pruning never orphans a node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specexec.drafters.base import Draft, DraftRequest, TreeDraftRunner, expandable
+from specexec.runner import ModelRunner
+from specexec.tree import DraftTree
+
+
+class BestFirstDrafter:
+    def __init__(
+        self, runner: ModelRunner, budget: int, expand: int = 32, width: int = 8, max_rounds: int = 32
+    ) -> None:
+        self.runner = runner
+        self.budget = budget
+        self.expand = max(1, min(expand, budget))
+        self.width = max(1, min(width, budget))
+        self.max_rounds = max_rounds
+        self.max_tree_size = budget + 1 + self.expand * self.width
+
+    def propose(self, request: DraftRequest) -> Draft:
+        tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
+        steps = TreeDraftRunner(self.runner, request, tree)
+        frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
+        for round_ in range(self.max_rounds if request.max_depth >= 1 else 0):
+            logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
+            top = torch.topk(torch.log_softmax(logits, dim=-1), min(self.width, logits.shape[-1]))  # (F, W)
+            scores = tree.scores[frontier, None] + top.values  # (F, W) cumulative log-probability
+            fresh = scores.isfinite()
+            first_new = tree.size
+            tree.add(frontier[:, None].expand_as(scores)[fresh], top.indices[fresh], scores[fresh])
+            if tree.size - 1 > self.budget:
+                kept = self._ranked(tree)[: self.budget]
+                any_new = bool((kept >= first_new).any())
+                steps.keep_nodes(torch.cat([kept.new_zeros(1), kept.sort().values]))
+                if not any_new:
+                    break  # no new child made the cut: more rounds would not change the tree
+            candidates = self._ranked(tree, expandable(tree, request))
+            if tree.size - 1 == self.budget:
+                # A full tree only changes if a child beats its worst node, which the worst node's own
+                # children (never above their parent, placed after it on ties) cannot do.
+                worst = tree.scores[1 : tree.size].min()
+                candidates = candidates[tree.scores[candidates] > worst]
+            if not candidates.numel():
+                break
+            frontier = candidates[: self.expand].sort().values
+        return Draft(tree, draft_calls=steps.calls)
+
+    @staticmethod
+    def _ranked(tree: DraftTree, among: torch.Tensor | None = None) -> torch.Tensor:
+        """Non-root node indices, best first: score descending, then depth ascending."""
+        nodes = torch.arange(1, tree.size, device=tree.tokens.device)
+        if among is not None:
+            nodes = nodes[among[1:]]
+        by_depth = nodes[torch.argsort(tree.depths[nodes], stable=True)]
+        return by_depth[torch.argsort(tree.scores[by_depth], descending=True, stable=True)]

@@ -1,0 +1,297 @@
+"""The decoding loop shared by every method: draft -> verify -> commit, with statistics and streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from specexec.drafters import (
+    BestFirstDrafter,
+    ChainDrafter,
+    Drafter,
+    DraftRequest,
+    NoDrafter,
+    SampledTreeDrafter,
+)
+from specexec.drafters.base import tree_forward
+from specexec.runner import ModelRunner
+from specexec.sampling import SamplingParams
+from specexec.verify import cache_walk, rejection_walk
+
+METHODS = ("ar", "sd", "specinfer", "specexec")
+
+
+class GenerationError(ValueError):
+    """Invalid arguments to `generate`/`stream` (bad method, empty prompt, context too long, ...)."""
+
+
+@dataclass
+class Stats:
+    """What one generation did and where its time went. Seconds exclude nothing but the clock itself."""
+
+    method: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_calls: int = 0  # verification forwards, prefill excluded
+    draft_calls: int = 0  # draft forwards, prefill excluded
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    decode_seconds: float = 0.0  # everything after prefill: draft + target + overhead
+    tree_sizes: list[int] = field(default_factory=list)  # draft tokens verified per step
+    tree_depths: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Emitted tokens per target verification call, the bonus token included."""
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def overhead_seconds(self) -> float:
+        return max(0.0, self.decode_seconds - self.draft_seconds - self.target_seconds)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "tokens_per_step": self.tokens_per_step,
+            "overhead_seconds": self.overhead_seconds,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+        }
+
+
+@dataclass
+class Chunk:
+    """The tokens one step committed; `finish_reason` ("stop" or "length") is set on the last chunk."""
+
+    tokens: list[int]
+    finish_reason: str | None
+    stats: Stats
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats
+
+
+def generate(
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    input_ids: Sequence[int] | torch.Tensor,
+    **kwargs,
+) -> GenerationOutput:
+    """Generate new tokens after `input_ids`; same arguments as `stream`."""
+    tokens: list[int] = []
+    chunk = None
+    for chunk in stream(target, draft, input_ids, **kwargs):
+        tokens.extend(chunk.tokens)
+    assert chunk is not None
+    return GenerationOutput(tokens, chunk.finish_reason or "length", chunk.stats)
+
+
+@torch.inference_mode()
+def stream(
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    input_ids: Sequence[int] | torch.Tensor,
+    *,
+    method: str = "specexec",
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    budget: int = 128,
+    expand: int = 32,
+    width: int = 8,
+    max_rounds: int = 32,
+    branches: int = 4,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
+) -> Iterator[Chunk]:
+    """Speculative decoding, yielding the tokens committed at each step.
+
+    method: "ar" (target alone), "sd" (chain of `budget` draft tokens, rejection sampling), "specinfer"
+    (`branches` sampled chains, `budget` draft tokens in all, multi-draft rejection sampling) or
+    "specexec" (best-first tree of `budget` tokens: `expand` nodes per draft pass, `width` children per
+    node, at most `max_rounds` draft passes; verified by the cache walk).
+    Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
+    configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
+    (which needs `tokenizer`).
+    """
+    prompt = _as_token_tensor(input_ids, target)
+    if method not in METHODS:
+        raise GenerationError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "ar" and draft is None:
+        raise GenerationError(f"method {method!r} needs a draft model")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if method != "ar" and budget < 1:
+        raise GenerationError(f"budget must be >= 1, got {budget}")
+    if stop_strings and tokenizer is None:
+        raise GenerationError("stop_strings need a tokenizer")
+    try:
+        sampling = SamplingParams(temperature, top_k, top_p)
+    except ValueError as e:
+        raise GenerationError(str(e)) from None
+    window = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if window is not None and prompt.numel() + max_new_tokens > window:
+        raise GenerationError(
+            f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context window of {window} tokens"
+        )
+    eos = torch.tensor(_eos_ids(target, eos_token_id), dtype=torch.long, device=prompt.device)
+    generator = torch.Generator(device=prompt.device).manual_seed(seed)
+    vocab_size = target.config.get_text_config().vocab_size
+
+    drafter = _make_drafter(
+        method, draft, budget, expand, width, max_rounds, branches, prompt, max_new_tokens
+    )
+    capacity = prompt.numel() + max_new_tokens + drafter.max_tree_size
+    target_runner = ModelRunner(target, capacity)
+    stats = Stats(method=method, prompt_tokens=prompt.numel())
+
+    # Prefill: everything but the last prompt token, which becomes the first tree root.
+    start = _clock(prompt.device)
+    if prompt.numel() > 1:
+        target_runner.extend(prompt[:-1])
+    draft_runner = getattr(drafter, "runner", None)
+    if draft_runner is not None and prompt.numel() > 1:
+        draft_runner.extend(prompt[:-1])
+    stats.prefill_seconds = _clock(prompt.device) - start
+
+    committed = prompt
+    decode_start = _clock(prompt.device)
+    while True:
+        remaining = max_new_tokens - stats.new_tokens
+        request = DraftRequest(committed, remaining - 1, eos, vocab_size, sampling, generator)
+        t0 = _clock(prompt.device)
+        proposal = drafter.propose(request)
+        t1 = _clock(prompt.device)
+        tree = proposal.tree
+        root_slot = committed.numel() - 1
+        logits = tree_forward(target_runner, tree, torch.arange(tree.size, device=prompt.device), root_slot)
+        t2 = _clock(prompt.device)
+        if method in ("sd", "specinfer"):
+            path, bonus = rejection_walk(tree, logits, proposal.draft_probs, sampling, generator)
+        else:
+            path, bonus = cache_walk(tree, logits, sampling, generator)
+
+        # Commit: the root and the accepted path stay in the target cache, and in the draft cache as far
+        # as the draft expanded them; the bonus token becomes the next root.
+        path_nodes = torch.tensor([0, *path], dtype=torch.long, device=prompt.device)
+        target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
+        if draft_runner is not None:
+            seen = path_nodes[tree.expanded[path_nodes]]
+            draft_runner.keep(_with_prefix(min(draft_runner.length, root_slot), root_slot + seen))
+        stats.draft_seconds += t1 - t0
+        stats.target_seconds += t2 - t1
+        stats.target_calls += 1
+        stats.draft_calls += proposal.draft_calls
+        stats.tree_sizes.append(tree.size - 1)
+        stats.tree_depths.append(int(tree.depths[: tree.size].max()))
+        stats.accepted.append(len(path))
+
+        generated = committed[prompt.numel() :].tolist()
+        new, finish = _cut(
+            [*tree.tokens[path_nodes[1:]].tolist(), bonus], generated, eos, remaining, stop_strings, tokenizer
+        )
+        stats.new_tokens += len(new)
+        committed = torch.cat([committed, torch.tensor(new, dtype=torch.long, device=prompt.device)])
+        stats.decode_seconds = _clock(prompt.device) - decode_start
+        yield Chunk(new, finish, stats)
+        if finish is not None:
+            return
+
+
+def _make_drafter(
+    method: str,
+    draft: PreTrainedModel | None,
+    budget: int,
+    expand: int,
+    width: int,
+    max_rounds: int,
+    branches: int,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+) -> Drafter:
+    if method == "ar":
+        return NoDrafter()
+    # A tree never needs to be deeper than the tokens still to generate, so nor does its cache.
+    runner = ModelRunner(draft, prompt.numel() + max_new_tokens + budget + expand * width + 1)
+    if method == "sd":
+        return ChainDrafter(runner, min(budget, max_new_tokens))
+    if method == "specinfer":
+        return SampledTreeDrafter(runner, budget, branches)
+    return BestFirstDrafter(runner, budget, expand, width, max_rounds)
+
+
+def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:
+    """Slots [0, prefix_len) followed by `tail`."""
+    return torch.cat([torch.arange(prefix_len, device=tail.device), tail])
+
+
+def _cut(
+    new: list[int],
+    generated: list[int],
+    eos: torch.Tensor,
+    remaining: int,
+    stop_strings: Sequence[str],
+    tokenizer,
+) -> tuple[list[int], str | None]:
+    """Trim a step's tokens at the first end-of-sequence id (kept), stop string or length limit."""
+    finish = None
+    eos_ids = set(eos.tolist())
+    for i, token in enumerate(new):
+        if token in eos_ids:
+            new, finish = new[: i + 1], "stop"
+            break
+    if len(new) >= remaining:
+        new, finish = new[:remaining], finish or "length"
+    if stop_strings:
+        full = generated + new
+        if any(s in tokenizer.decode(full) for s in stop_strings):
+            for k in range(len(generated) + 1, len(full) + 1):
+                if any(s in tokenizer.decode(full[:k]) for s in stop_strings):
+                    return new[: k - len(generated)], "stop"
+    return new, finish
+
+
+def _as_token_tensor(input_ids: Sequence[int] | torch.Tensor, model: PreTrainedModel) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long).to(model.device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise GenerationError("input_ids must be a non-empty 1-D sequence of token ids")
+    vocab = model.config.get_text_config().vocab_size
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise GenerationError(f"input_ids must be in [0, {vocab}), got ids up to {int(ids.max())}")
+    return ids
+
+
+def _eos_ids(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None) -> list[int]:
+    if eos_token_id is None:
+        found = []
+        for source in (getattr(model, "generation_config", None), model.config):
+            value = getattr(source, "eos_token_id", None)
+            found += [value] if isinstance(value, int) else list(value or [])
+        eos_token_id = found
+    return sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+
+
+def _clock(device: torch.device) -> float:
+    """Wall-clock seconds, after the device has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

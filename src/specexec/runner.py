@@ -1,0 +1,162 @@
+"""One model behind a narrow interface: forward a block of tokens into chosen KV slots, then keep slots.
+
+The KV cache is preallocated once per generation. Slots [0, length) hold the committed sequence; the
+slots above are scratch space for the current draft tree. A forward writes its keys and values at the
+slots it is given and attends under an explicit mask, so "rolling back" a rejected branch costs nothing:
+it is simply never kept, and its slots are overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's keys and values in a fixed buffer; writes go to the slots its `SlotCache` names."""
+
+    def __init__(self, cache: SlotCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, k_dim = key_states.shape
+        shape = (batch, heads, self.cache.capacity)
+        self.keys = key_states.new_zeros((*shape, k_dim))  # (1, H_kv, capacity, D)
+        self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.cache.write_slots
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        width = self.cache.attend_width
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.attend_width, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.length
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+    def gather(self, src: torch.Tensor, dst_start: int) -> None:
+        if self.is_initialized:
+            dst = slice(dst_start, dst_start + src.numel())
+            self.keys[:, :, dst] = self.keys[:, :, src]  # advanced indexing copies first: overlap-safe
+            self.values[:, :, dst] = self.values[:, :, src]
+
+
+class SlotCache(Cache):
+    """A transformers `Cache` whose writes land at explicit slots of preallocated per-layer buffers."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+        self.write_slots = torch.zeros(0, dtype=torch.long)
+        self.attend_width = 0
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+
+class ModelRunner:
+    """Drives one Hugging Face causal LM with a `SlotCache`: `extend`, `forward_tree`, `keep`."""
+
+    def __init__(self, model: PreTrainedModel, capacity: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.capacity = capacity
+        config = model.config.get_text_config()
+        self.cache = SlotCache(config.num_hidden_layers, capacity)
+        self.slot_positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        # Masks are additive, in the model's own dtype: eager attention adds them to the scores.
+        self.mask_min = torch.finfo(model.dtype).min
+        self.sliding_window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or []
+        self.mixed_sliding = self.sliding_window is not None and "sliding_attention" in layer_types
+        self.all_sliding = self.sliding_window is not None and not layer_types
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def extend(self, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
+        """Append `tokens` (n,) to the committed sequence; returns logits (m, V) of the kept rows."""
+        n = tokens.numel()
+        start = self.length
+        slots = torch.arange(start, start + n, device=self.device)  # (n,)
+        width = start + n
+        allowed = torch.arange(width, device=self.device)[None, :] <= slots[:, None]  # (n, width) causal
+        logits = self.forward_tree(tokens, slots, slots, allowed, logits_to_keep)
+        self.cache.length = width
+        return logits
+
+    def forward_tree(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        allowed: torch.Tensor,
+        logits_to_keep: int | torch.Tensor = 0,
+    ) -> torch.Tensor:
+        """Forward tokens (n,) at `positions` (n,) into KV `slots` (n,) where row i may attend to the slots
+        j < width with allowed[i, j] (n, width). Does not change the committed length.
+
+        Returns logits (m, V) in the model's dtype for `logits_to_keep` (0 = all rows, k = last k rows,
+        or a tensor of row indices).
+        """
+        width = allowed.shape[1]
+        if width > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {width} > {self.capacity} slots")
+        self.slot_positions[slots] = positions
+        self.cache.write_slots = slots
+        self.cache.attend_width = width
+        out = self.model(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            attention_mask=self._masks(allowed, positions, width),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self.cache_kwarg: self.cache},
+        )
+        return out.logits[0]  # (m, V)
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Make the cache hold exactly `slots` (in order) at [0, len(slots)); the new committed length."""
+        self.move(slots, 0)
+        self.cache.length = slots.numel()
+
+    def move(self, src: torch.Tensor, dst_start: int) -> None:
+        """Copy the KV of slots `src` (in order) to [dst_start, dst_start + len(src)); lengths unchanged."""
+        dst = torch.arange(dst_start, dst_start + src.numel(), device=src.device)
+        moved = (src != dst).nonzero()
+        if not moved.numel():
+            return
+        first = int(moved[0])  # the part already in place is not copied
+        src, dst_start = src[first:], dst_start + first
+        for layer in self.cache.layers:
+            layer.gather(src, dst_start)
+        self.slot_positions[dst_start : dst_start + src.numel()] = self.slot_positions[src].clone()
+
+    def _masks(self, allowed: torch.Tensor, positions: torch.Tensor, width: int):
+        full = self._additive(allowed)
+        if not (self.mixed_sliding or self.all_sliding):
+            return full
+        # Sliding-window layers see only keys less than `window` positions back, as in the model itself.
+        distance = positions[:, None] - self.slot_positions[None, :width]  # (n, width)
+        windowed = self._additive(allowed & (distance < self.sliding_window))
+        if self.all_sliding:
+            return windowed
+        return {"full_attention": full, "sliding_attention": windowed}
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, self.mask_min)[None, None]  # (1, 1, n, width)

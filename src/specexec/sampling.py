@@ -1,0 +1,75 @@
+"""Temperature, top-k and top-p, implemented once and shared by every method.
+
+Every acceptance rule compares distributions produced here, so the draft's q and the target's p always
+go through exactly the same processing. Temperature 0 means greedy: the distribution is one-hot on the
+arg-max (first index on exact ties, as `torch.argmax` and Hugging Face `generate` do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Return the sampling distribution, float32, same shape as `logits` (..., V)."""
+    logits = logits.float()
+    if params.greedy:
+        one_hot = torch.zeros_like(logits)
+        return one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th are kept
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+        # Nucleus: the smallest top set whose mass reaches top_p; the top token is always kept.
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` (..., V) -> (...), each row drawn independently."""
+    flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
+    tokens = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # (N,)
+    return tokens.reshape(probs.shape[:-1])
+
+
+def sample_without_replacement(
+    probs: torch.Tensor, n: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Up to `n` distinct tokens from `probs` (V,), in the order sequential draws would produce them.
+
+    Gumbel-top-k: the top n of log p + Gumbel noise is an ordered sample without replacement. Fewer than
+    n tokens come back when fewer than n have non-zero probability.
+    """
+    n = min(n, int((probs > 0).sum()))
+    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    keys = probs.double().log() - (-uniform.log()).log()  # (V,) log p + Gumbel
+    return torch.topk(keys, n).indices
