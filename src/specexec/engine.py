@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -18,7 +17,8 @@ from specexec.drafters import (
     SampledTreeDrafter,
 )
 from specexec.drafters.base import tree_forward
-from specexec.runner import ModelRunner
+from specexec.models import eos_token_ids
+from specexec.runner import ModelRunner, clock
 from specexec.sampling import SamplingParams
 from specexec.verify import cache_walk, rejection_walk
 
@@ -39,8 +39,8 @@ class Stats:
     target_calls: int = 0  # verification forwards, prefill excluded
     draft_calls: int = 0  # draft forwards, prefill excluded
     prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    target_seconds: float = 0.0
+    draft_seconds: float = 0.0  # inside the draft model's forwards
+    target_seconds: float = 0.0  # inside the target model's forwards
     decode_seconds: float = 0.0  # everything after prefill: draft + target + overhead
     tree_sizes: list[int] = field(default_factory=list)  # draft tokens verified per step
     tree_depths: list[int] = field(default_factory=list)
@@ -151,7 +151,7 @@ def stream(
             f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context window of {window} tokens"
         )
-    eos = torch.tensor(_eos_ids(target, eos_token_id), dtype=torch.long, device=prompt.device)
+    eos = torch.tensor(_eos_ids(target, eos_token_id, tokenizer), dtype=torch.long, device=prompt.device)
     generator = torch.Generator(device=prompt.device).manual_seed(seed)
     vocab_size = target.config.get_text_config().vocab_size
 
@@ -163,26 +163,26 @@ def stream(
     stats = Stats(method=method, prompt_tokens=prompt.numel())
 
     # Prefill: everything but the last prompt token, which becomes the first tree root.
-    start = _clock(prompt.device)
+    start = clock(prompt.device)
     if prompt.numel() > 1:
         target_runner.extend(prompt[:-1])
     draft_runner = getattr(drafter, "runner", None)
     if draft_runner is not None and prompt.numel() > 1:
         draft_runner.extend(prompt[:-1])
-    stats.prefill_seconds = _clock(prompt.device) - start
+    stats.prefill_seconds = clock(prompt.device) - start
+    runners = [target_runner] + ([draft_runner] if draft_runner is not None else [])
+    for runner in runners:
+        runner.forward_seconds = 0.0  # from here on, decoding time only
 
     committed = prompt
-    decode_start = _clock(prompt.device)
+    decode_start = clock(prompt.device)
     while True:
         remaining = max_new_tokens - stats.new_tokens
         request = DraftRequest(committed, remaining - 1, eos, vocab_size, sampling, generator)
-        t0 = _clock(prompt.device)
         proposal = drafter.propose(request)
-        t1 = _clock(prompt.device)
         tree = proposal.tree
         root_slot = committed.numel() - 1
         logits = tree_forward(target_runner, tree, torch.arange(tree.size, device=prompt.device), root_slot)
-        t2 = _clock(prompt.device)
         if method in ("sd", "specinfer"):
             path, bonus = rejection_walk(tree, logits, proposal.draft_probs, sampling, generator)
         else:
@@ -195,8 +195,8 @@ def stream(
         if draft_runner is not None:
             seen = path_nodes[tree.expanded[path_nodes]]
             draft_runner.keep(_with_prefix(min(draft_runner.length, root_slot), root_slot + seen))
-        stats.draft_seconds += t1 - t0
-        stats.target_seconds += t2 - t1
+        stats.target_seconds = target_runner.forward_seconds
+        stats.draft_seconds = draft_runner.forward_seconds if draft_runner is not None else 0.0
         stats.target_calls += 1
         stats.draft_calls += proposal.draft_calls
         stats.tree_sizes.append(tree.size - 1)
@@ -209,7 +209,7 @@ def stream(
         )
         stats.new_tokens += len(new)
         committed = torch.cat([committed, torch.tensor(new, dtype=torch.long, device=prompt.device)])
-        stats.decode_seconds = _clock(prompt.device) - decode_start
+        stats.decode_seconds = clock(prompt.device) - decode_start
         yield Chunk(new, finish, stats)
         if finish is not None:
             return
@@ -280,18 +280,7 @@ def _as_token_tensor(input_ids: Sequence[int] | torch.Tensor, model: PreTrainedM
     return ids
 
 
-def _eos_ids(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None) -> list[int]:
+def _eos_ids(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None, tokenizer) -> list[int]:
     if eos_token_id is None:
-        found = []
-        for source in (getattr(model, "generation_config", None), model.config):
-            value = getattr(source, "eos_token_id", None)
-            found += [value] if isinstance(value, int) else list(value or [])
-        eos_token_id = found
+        return eos_token_ids(model, tokenizer)
     return sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
-
-
-def _clock(device: torch.device) -> float:
-    """Wall-clock seconds, after the device has finished its queued work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -9,6 +9,7 @@ it is simply never kept, and its slots are overwritten by the next step.
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 from transformers import PreTrainedModel
@@ -83,6 +84,7 @@ class ModelRunner:
         self.all_sliding = self.sliding_window is not None and not layer_types
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.forward_seconds = 0.0  # time inside the model's forward, for the stats' time split
 
     @property
     def length(self) -> int:
@@ -119,6 +121,7 @@ class ModelRunner:
         self.slot_positions[slots] = positions
         self.cache.write_slots = slots
         self.cache.attend_width = width
+        start = clock(self.device)
         out = self.model(
             input_ids=tokens[None],
             position_ids=positions[None],
@@ -127,6 +130,7 @@ class ModelRunner:
             logits_to_keep=logits_to_keep,
             **{self.cache_kwarg: self.cache},
         )
+        self.forward_seconds += clock(self.device) - start
         return out.logits[0]  # (m, V)
 
     def keep(self, slots: torch.Tensor) -> None:
@@ -160,3 +164,10 @@ class ModelRunner:
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device)
         return mask.masked_fill_(~allowed, self.mask_min)[None, None]  # (1, 1, n, width)
+
+
+def clock(device: torch.device) -> float:
+    """Wall-clock seconds, after the device has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

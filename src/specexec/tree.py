@@ -40,7 +40,7 @@ class DraftTree:
         self.depths[new] = self.depths[parents] + 1
         if scores is not None:
             self.scores[new] = scores
-        self.ancestors[new] = self.ancestors[parents]
+        self.ancestors[new, : self.size] = self.ancestors[parents, : self.size]  # rows past size are clear
         self.ancestors[new, new] = True
         self.size += n
         return new
@@ -54,9 +54,9 @@ class DraftTree:
         self.parents[:n] = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
         for field in (self.tokens, self.depths, self.scores, self.expanded):
             field[:n] = field[nodes].clone()
-        self.ancestors[:n, :n] = self.ancestors[nodes][:, nodes]
-        self.ancestors[n:] = False
-        self.ancestors[:, n:] = False
+        self.ancestors[:n, :n] = self.ancestors[nodes[:, None], nodes[None, :]]
+        self.ancestors[n : self.size, : self.size] = False
+        self.ancestors[:n, n : self.size] = False
         self.size = n
 
     def children(self, node: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ class TreeDraftRunner:
         return self._fit_vocab(logits)
 
     def expand(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Draft logits (len(nodes), V) for the children of tree `nodes` (all of whose ancestors are expanded)."""
+        """Draft logits (len(nodes), V) for the children of `nodes`, whose ancestors are all expanded."""
         logits = tree_forward(self.runner, self.tree, nodes, self.root_slot)
         self.tree.expanded[nodes] = True
         self.calls += 1

@@ -32,8 +32,9 @@ class BestFirstDrafter:
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         for round_ in range(self.max_rounds if request.max_depth >= 1 else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
-            top = torch.topk(torch.log_softmax(logits, dim=-1), min(self.width, logits.shape[-1]))  # (F, W)
-            scores = tree.scores[frontier, None] + top.values  # (F, W) cumulative log-probability
+            top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
+            log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
+            scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
             fresh = scores.isfinite()
             first_new = tree.size
             tree.add(frontier[:, None].expand_as(scores)[fresh], top.indices[fresh], scores[fresh])

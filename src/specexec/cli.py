@@ -1,0 +1,161 @@
+"""Command line: `specexec generate`, `specexec bench`.
+
+Every user error ends in one line on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from specexec.engine import METHODS
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    parser.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"local HF folder, .gguf file, or a packaged model name (default {DEFAULT_TARGET})",
+    )
+    parser.add_argument(
+        "--draft", default=DEFAULT_DRAFT, help=f"same kinds as --target (default {DEFAULT_DRAFT})"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="weights in memory (default: bfloat16 where the CPU/GPU computes it natively, else float32)",
+    )
+
+
+def _add_decoding_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specexec", description="Fast LLM generation through speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    _add_model_args(gen)
+    gen.add_argument("--method", choices=METHODS, default="specexec")
+    gen.add_argument("--budget", type=_positive_int, default=64, help="draft tokens verified per target pass")
+    _add_decoding_args(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specexec.engine import GenerationError
+    from specexec.models import ModelSourceError
+
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except (GenerationError, ModelSourceError, OSError) as e:
+        print(f"specexec: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("specexec: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_USAGE
+
+
+def _load_pair(args: argparse.Namespace, need_draft: bool):
+    import torch
+
+    from specexec.models import check_same_vocab, default_dtype, load_model, load_tokenizer
+
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype()
+    tokenizer = load_tokenizer(args.target)
+    draft = None
+    if need_draft:
+        check_same_vocab(tokenizer, load_tokenizer(args.draft))
+        draft = load_model(args.draft, dtype)
+    return tokenizer, load_model(args.target, dtype), draft
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specexec.engine import GenerationError, stream
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise GenerationError("the prompt is empty")
+    tokenizer, target, draft = _load_pair(args, need_draft=args.method != "ar")
+    if args.chat:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    input_ids = tokenizer(prompt, add_special_tokens=not args.chat)["input_ids"]
+    printed = ""
+    tokens: list[int] = []
+    start = time.perf_counter()
+    chunk = None
+    for chunk in stream(
+        target,
+        draft,
+        input_ids,
+        method=args.method,
+        budget=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_strings=args.stop,
+        tokenizer=tokenizer,
+    ):
+        tokens += chunk.tokens
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # hold back a character whose bytes are still incomplete
+            sys.stdout.write(text[len(printed) :])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write(tokenizer.decode(tokens, skip_special_tokens=True)[len(printed) :] + "\n")
+    elapsed = time.perf_counter() - start
+    stats = chunk.stats
+    print(
+        f"[{args.method}] {stats.new_tokens} tokens in {elapsed:.2f} s | "
+        f"{stats.tokens_per_step:.2f} tokens/step over {stats.target_calls} target calls | "
+        f"decode {stats.decode_tokens_per_second:.2f} tok/s | prefill {stats.prefill_seconds:.2f} s | "
+        f"draft {stats.draft_seconds:.2f} s, target {stats.target_seconds:.2f} s, "
+        f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
