@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from specexec.engine import METHODS
+from specexec.engine import DEFAULT_BUDGETS, METHODS
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -34,7 +34,8 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--target, --draft, --dtype and the offloading flags, shared by every command that loads models."""
     from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     parser.add_argument(
@@ -51,10 +52,39 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="weights in memory (default: bfloat16 where the CPU/GPU computes it natively, else float32)",
     )
+    off = parser.add_argument_group("offloading (target only)")
+    off.add_argument(
+        "--offload",
+        action="store_true",
+        help="stream the target's decoder layers from pinned host memory through a ring of GPU buffers "
+        "(needs CUDA)",
+    )
+    off.add_argument("--ring-size", type=_positive_int, default=2, help="GPU layer buffers in the ring")
+    off.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="GPU memory for the target's weights, e.g. 20GiB: leading layers that fit stay resident, the "
+        "rest stream (implies --offload)",
+    )
+    off.add_argument(
+        "--quant-offload",
+        choices=("nf4",),
+        default=None,
+        help="stream layers as 4-bit NF4 (bitsandbytes): fewer bytes per forward, lossy (implies --offload)",
+    )
+    off.add_argument(
+        "--simulate-offload-gbps",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="no GPU: charge each target forward max(compute, streamed bytes / GBPS GB/s); timings are "
+        "SIMULATED",
+    )
 
 
-def _add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=128)
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --top-p, --top-k, --seed."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
@@ -66,25 +96,51 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    _add_model_args(gen)
+    add_model_args(gen)
     gen.add_argument("--method", choices=METHODS, default="specexec")
-    gen.add_argument("--budget", type=_positive_int, default=64, help="draft tokens verified per target pass")
-    _add_decoding_args(gen)
+    gen.add_argument(
+        "--budget",
+        type=_positive_int,
+        default=None,
+        help="draft tokens verified per target pass (default per method: "
+        + ", ".join(f"{m} {b}" for m, b in DEFAULT_BUDGETS.items() if b)
+        + ")",
+    )
+    gen.add_argument(
+        "--lookahead-schedule", choices=("constant", "heuristic"), default="constant", help="sd only"
+    )
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+
+    from specexec.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr carries our one-line messages and stats only
+    if args.simulate_offload_gbps is not None and (args.offload or args.gpu_memory or args.quant_offload):
+        parser.error("--simulate-offload-gbps stands in for a GPU: it cannot be combined with --offload")
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
+    from specexec.offload import OffloadError
 
     try:
         if args.command == "generate":
             return _generate(args)
-    except (GenerationError, ModelSourceError, OSError) as e:
+        if args.command == "bench":
+            from specexec.bench.cli import run_bench
+
+            return run_bench(args)
+    except (GenerationError, ModelSourceError, OffloadError, OSError) as e:
         print(f"specexec: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
@@ -93,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-def _load_pair(args: argparse.Namespace, need_draft: bool):
+def load_pair(args: argparse.Namespace, need_draft: bool):
+    """Tokenizer, target and draft (None unless `need_draft`) as the model arguments ask; the target is
+    offloaded or its offloading simulated if requested (the label is left in `args.simulated`)."""
     import torch
 
     from specexec.models import check_same_vocab, default_dtype, load_model, load_tokenizer
@@ -104,7 +162,19 @@ def _load_pair(args: argparse.Namespace, need_draft: bool):
     if need_draft:
         check_same_vocab(tokenizer, load_tokenizer(args.draft))
         draft = load_model(args.draft, dtype)
-    return tokenizer, load_model(args.target, dtype), draft
+    offload = None
+    if args.offload or args.gpu_memory or args.quant_offload:
+        offload = {"ring_size": args.ring_size, "gpu_memory": args.gpu_memory, "codec": args.quant_offload}
+    target = load_model(args.target, dtype, offload=offload)
+    args.simulated = None
+    if args.simulate_offload_gbps is not None:
+        from specexec.offload import simulate_offload
+
+        args.simulated = simulate_offload(target, args.simulate_offload_gbps).label
+        print(f"[{args.simulated}; every timing below is SIMULATED]", file=sys.stderr)
+    if draft is not None and target.device.type == "cuda":
+        draft = draft.to(target.device)  # the draft stays resident on the GPU
+    return tokenizer, target, draft
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -113,7 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise GenerationError("the prompt is empty")
-    tokenizer, target, draft = _load_pair(args, need_draft=args.method != "ar")
+    tokenizer, target, draft = load_pair(args, need_draft=args.method != "ar")
     if args.chat:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
@@ -129,6 +199,7 @@ def _generate(args: argparse.Namespace) -> int:
         input_ids,
         method=args.method,
         budget=args.budget,
+        lookahead_schedule=args.lookahead_schedule,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -146,8 +217,9 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write(tokenizer.decode(tokens, skip_special_tokens=True)[len(printed) :] + "\n")
     elapsed = time.perf_counter() - start
     stats = chunk.stats
+    simulated = f"[{args.simulated}] " if args.simulated else ""
     print(
-        f"[{args.method}] {stats.new_tokens} tokens in {elapsed:.2f} s | "
+        f"{simulated}[{args.method}] {stats.new_tokens} tokens in {elapsed:.2f} s | "
         f"{stats.tokens_per_step:.2f} tokens/step over {stats.target_calls} target calls | "
         f"decode {stats.decode_tokens_per_second:.2f} tok/s | prefill {stats.prefill_seconds:.2f} s | "
         f"draft {stats.draft_seconds:.2f} s, target {stats.target_seconds:.2f} s, "

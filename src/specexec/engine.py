@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from specexec.budget import ConfidenceStop, HeuristicLookahead
 from specexec.drafters import (
     BestFirstDrafter,
     ChainDrafter,
@@ -22,7 +23,10 @@ from specexec.runner import ModelRunner, clock
 from specexec.sampling import SamplingParams
 from specexec.verify import cache_walk, rejection_walk
 
-METHODS = ("ar", "sd", "specinfer", "specexec")
+HEURISTIC_MAX_LENGTH = 64  # a ceiling for the heuristic schedule, which has none of its own
+METHODS = ("ar", "sd", "dsl", "specinfer", "specexec")
+# Draft tokens verified per target pass when `budget` is not given (dsl: the longest draft).
+DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": 20, "specinfer": 32, "specexec": 64}
 
 
 class GenerationError(ValueError):
@@ -111,21 +115,31 @@ def stream(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
-    budget: int = 128,
+    budget: int | None = None,
     expand: int = 32,
     width: int = 8,
     max_rounds: int = 32,
     branches: int = 4,
+    lookahead_schedule: str = "constant",
+    confidence_threshold: float = 0.4,
+    adapt_threshold: bool = True,
     eos_token_id: int | Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
     tokenizer=None,
 ) -> Iterator[Chunk]:
     """Speculative decoding, yielding the tokens committed at each step.
 
-    method: "ar" (target alone), "sd" (chain of `budget` draft tokens, rejection sampling), "specinfer"
-    (`branches` sampled chains, `budget` draft tokens in all, multi-draft rejection sampling) or
-    "specexec" (best-first tree of `budget` tokens: `expand` nodes per draft pass, `width` children per
-    node, at most `max_rounds` draft passes; verified by the cache walk).
+    method:
+      "ar"        the target alone;
+      "sd"        a chain of `budget` draft tokens and the rejection rule; `lookahead_schedule`
+                  "heuristic" adapts the length (+2 after a fully accepted draft, -1 otherwise);
+      "dsl"       a chain that stops once the draft's probability for its own token drops below
+                  `confidence_threshold` (adapted from observed acceptances if `adapt_threshold`),
+                  at most `budget` tokens;
+      "specinfer" `branches` sampled chains, `budget` draft tokens in all, multi-draft rejection;
+      "specexec"  a best-first tree of `budget` tokens (`expand` nodes per draft pass, `width` children
+                  per node, at most `max_rounds` draft passes), verified by the cache walk.
+    `budget` defaults to DEFAULT_BUDGETS[method].
     Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
     (which needs `tokenizer`).
@@ -137,8 +151,15 @@ def stream(
         raise GenerationError(f"method {method!r} needs a draft model")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    budget = DEFAULT_BUDGETS[method] if budget is None else budget
     if method != "ar" and budget < 1:
         raise GenerationError(f"budget must be >= 1, got {budget}")
+    if lookahead_schedule not in ("constant", "heuristic"):
+        raise GenerationError(
+            f"lookahead_schedule must be 'constant' or 'heuristic', got {lookahead_schedule!r}"
+        )
+    if not 0.0 <= confidence_threshold <= 1.0:
+        raise GenerationError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
     if stop_strings and tokenizer is None:
         raise GenerationError("stop_strings need a tokenizer")
     try:
@@ -156,17 +177,19 @@ def stream(
     vocab_size = target.config.get_text_config().vocab_size
 
     drafter = _make_drafter(
-        method, draft, budget, expand, width, max_rounds, branches, prompt, max_new_tokens
-    )
+        method, budget, expand, width, max_rounds, branches, lookahead_schedule,
+        ConfidenceStop(confidence_threshold, adapt_threshold),
+    )  # fmt: skip
+    # Committed tokens plus scratch slots for the largest tree a step can build, in both caches.
     capacity = prompt.numel() + max_new_tokens + drafter.max_tree_size
     target_runner = ModelRunner(target, capacity)
+    draft_runner = ModelRunner(draft, capacity) if method != "ar" else None
     stats = Stats(method=method, prompt_tokens=prompt.numel())
 
     # Prefill: everything but the last prompt token, which becomes the first tree root.
     start = clock(prompt.device)
     if prompt.numel() > 1:
         target_runner.extend(prompt[:-1])
-    draft_runner = getattr(drafter, "runner", None)
     if draft_runner is not None and prompt.numel() > 1:
         draft_runner.extend(prompt[:-1])
     stats.prefill_seconds = clock(prompt.device) - start
@@ -178,7 +201,7 @@ def stream(
     decode_start = clock(prompt.device)
     while True:
         remaining = max_new_tokens - stats.new_tokens
-        request = DraftRequest(committed, remaining - 1, eos, vocab_size, sampling, generator)
+        request = DraftRequest(committed, remaining - 1, eos, vocab_size, sampling, generator, draft_runner)
         proposal = drafter.propose(request)
         tree = proposal.tree
         root_slot = committed.numel() - 1
@@ -202,6 +225,7 @@ def stream(
         stats.tree_sizes.append(tree.size - 1)
         stats.tree_depths.append(int(tree.depths[: tree.size].max()))
         stats.accepted.append(len(path))
+        drafter.observe(proposal, len(path))
 
         generated = committed[prompt.numel() :].tolist()
         new, finish = _cut(
@@ -217,24 +241,25 @@ def stream(
 
 def _make_drafter(
     method: str,
-    draft: PreTrainedModel | None,
     budget: int,
     expand: int,
     width: int,
     max_rounds: int,
     branches: int,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
+    lookahead_schedule: str,
+    confidence_stop: ConfidenceStop,
 ) -> Drafter:
     if method == "ar":
         return NoDrafter()
-    # A tree never needs to be deeper than the tokens still to generate, so nor does its cache.
-    runner = ModelRunner(draft, prompt.numel() + max_new_tokens + budget + expand * width + 1)
     if method == "sd":
-        return ChainDrafter(runner, min(budget, max_new_tokens))
+        schedule = HeuristicLookahead(budget) if lookahead_schedule == "heuristic" else None
+        ceiling = max(budget, HEURISTIC_MAX_LENGTH) if schedule else budget
+        return ChainDrafter(budget, schedule=schedule, max_length=ceiling)
+    if method == "dsl":
+        return ChainDrafter(budget, stop=confidence_stop)
     if method == "specinfer":
-        return SampledTreeDrafter(runner, budget, branches)
-    return BestFirstDrafter(runner, budget, expand, width, max_rounds)
+        return SampledTreeDrafter(budget, branches)
+    return BestFirstDrafter(budget, expand, width, max_rounds)
 
 
 def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:

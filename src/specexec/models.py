@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,12 +84,15 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
 
 
-def load_model(source: str, dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+def load_model(
+    source: str, dtype: torch.dtype = torch.bfloat16, offload: dict | None = None
+) -> PreTrainedModel:
     """Load a causal LM in eval mode on the CPU.
 
     ``source`` is a local Hugging Face model folder (safetensors only), a ``.gguf`` file, or one of
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. GGUF sources are converted once into a bf16 cache folder;
-    ``dtype`` is only the in-memory dtype.
+    ``dtype`` is only the in-memory dtype. ``offload`` (keyword arguments of
+    ``specexec.offload.offload_model``) streams the decoder layers from host memory to the GPU.
     """
     folder = _local_folder(source)
     _check_model_folder(folder)
@@ -98,8 +102,13 @@ def load_model(source: str, dtype: torch.dtype = torch.bfloat16) -> PreTrainedMo
         use_safetensors=True,
         trust_remote_code=False,
         local_files_only=True,
-    )
-    return model.eval()
+    ).eval()
+    if offload is not None:
+        from specexec.offload import offload_model
+
+        offloader = offload_model(model, **offload)  # OffloadError without CUDA
+        print(f"[{offloader.describe()}]", file=sys.stderr)
+    return model
 
 
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:

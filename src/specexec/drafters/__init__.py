@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from specexec.drafters.base import Draft, Drafter, DraftRequest
+from specexec.drafters.base import Draft, Drafter, DrafterBase, DraftRequest
 from specexec.drafters.best_first import BestFirstDrafter
 from specexec.drafters.chain import ChainDrafter
 from specexec.drafters.sampled_tree import SampledTreeDrafter
 from specexec.tree import DraftTree
 
 
-class NoDrafter:
+class NoDrafter(DrafterBase):
     """Plain autoregressive decoding: the tree is the root alone, so each step emits one target sample."""
 
     max_tree_size = 1
@@ -24,6 +24,7 @@ __all__ = [
     "Draft",
     "DraftRequest",
     "Drafter",
+    "DrafterBase",
     "NoDrafter",
     "SampledTreeDrafter",
 ]

@@ -20,6 +20,7 @@ class Draft:
     tree: DraftTree
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     draft_calls: int = 0
+    confidences: list[float] = field(default_factory=list)  # a chain's own token probabilities, in order
 
 
 @dataclass
@@ -32,12 +33,24 @@ class DraftRequest:
     vocab_size: int  # the target's: draft tokens beyond it can never be accepted
     sampling: SamplingParams
     generator: torch.Generator | None
+    runner: ModelRunner | None  # the draft model's runner (None for `ar`)
 
 
 class Drafter(Protocol):
     max_tree_size: int
 
     def propose(self, request: DraftRequest) -> Draft: ...
+
+    def observe(self, draft: Draft, accepted: int) -> None: ...
+
+
+class DrafterBase:
+    """Default behaviour: drafters that do not learn from verification results ignore them."""
+
+    max_tree_size: int
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        """Called after each verification with the number of draft tokens accepted."""
 
 
 class TreeDraftRunner:
@@ -46,8 +59,8 @@ class TreeDraftRunner:
     Tree node i lives in KV slot `root_slot + i`, the same layout the target uses for verification.
     """
 
-    def __init__(self, runner: ModelRunner, request: DraftRequest, tree: DraftTree) -> None:
-        self.runner = runner
+    def __init__(self, request: DraftRequest, tree: DraftTree) -> None:
+        self.runner = request.runner
         self.request = request
         self.tree = tree
         self.root_slot = request.committed.numel() - 1

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from specexec.drafters.base import Draft, DraftRequest, TreeDraftRunner, expandable
-from specexec.runner import ModelRunner
+from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
 from specexec.tree import DraftTree
 
 
-class BestFirstDrafter:
-    def __init__(
-        self, runner: ModelRunner, budget: int, expand: int = 32, width: int = 8, max_rounds: int = 32
-    ) -> None:
-        self.runner = runner
+class BestFirstDrafter(DrafterBase):
+    def __init__(self, budget: int, expand: int = 32, width: int = 8, max_rounds: int = 32) -> None:
         self.budget = budget
         self.expand = max(1, min(expand, budget))
         self.width = max(1, min(width, budget))
@@ -28,7 +24,7 @@ class BestFirstDrafter:
 
     def propose(self, request: DraftRequest) -> Draft:
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
-        steps = TreeDraftRunner(self.runner, request, tree)
+        steps = TreeDraftRunner(request, tree)
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         for round_ in range(self.max_rounds if request.max_depth >= 1 else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)

@@ -1,32 +1,61 @@
-"""A chain of k sampled draft tokens, for classic speculative sampling (`sd`)."""
+"""A chain of sampled draft tokens: classic speculative sampling (`sd`) and dynamic lookahead (`dsl`)."""
 
 from __future__ import annotations
 
 import torch
 
-from specexec.drafters.base import Draft, DraftRequest, TreeDraftRunner, expandable
-from specexec.runner import ModelRunner
+from specexec.budget import ConfidenceStop, HeuristicLookahead
+from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
 from specexec.sampling import probs_from_logits, sample
 from specexec.tree import DraftTree
 
 
-class ChainDrafter:
-    def __init__(self, runner: ModelRunner, length: int) -> None:
-        self.runner = runner
+class ChainDrafter(DrafterBase):
+    """Up to `length` draft tokens, one draft forward each.
+
+    `schedule` adapts the length between steps; `stop` ends a draft early when the draft is unsure.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        schedule: HeuristicLookahead | None = None,
+        stop: ConfidenceStop | None = None,
+        max_length: int | None = None,
+    ) -> None:
         self.length = length
-        self.max_tree_size = length + 1
+        self.schedule = schedule
+        self.stop = stop
+        # A heuristic schedule has no ceiling of its own; the cache needs one.
+        self.max_length = max_length or length
+        self.max_tree_size = self.max_length + 1
 
     def propose(self, request: DraftRequest) -> Draft:
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         draft = Draft(tree)
-        steps = TreeDraftRunner(self.runner, request, tree)
+        steps = TreeDraftRunner(request, tree)
+        length = min(self.schedule.length if self.schedule else self.length, self.max_length)
         node = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
-        for i in range(min(self.length, request.max_depth)):
+        for i in range(min(length, request.max_depth)):
             if not expandable(tree, request)[node]:
                 break  # the last draft token ended the sequence
             logits = steps.expand_root() if i == 0 else steps.expand(node)  # (1, V)
             q = probs_from_logits(logits, request.sampling)  # (1, V)
             draft.draft_probs[int(node)] = q[0]
-            node = tree.add(node, sample(q, request.generator))
+            token = sample(q, request.generator)  # (1,)
+            node = tree.add(node, token)
+            if self.stop is not None:
+                # Under greedy decoding q is one-hot; the draft's own softmax says how sure it is.
+                confidence = torch.softmax(logits[0], -1) if request.sampling.greedy else q[0]
+                draft.confidences.append(float(confidence[token]))
+                if self.stop.should_stop(draft.confidences[-1]):
+                    break
         draft.draft_calls = steps.calls
         return draft
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        if self.schedule is not None:
+            self.schedule.observe(draft.tree.size - 1, accepted)
+            self.schedule.length = min(self.schedule.length, self.max_length)
+        if self.stop is not None:
+            self.stop.observe(draft.confidences, accepted)

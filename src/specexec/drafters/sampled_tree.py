@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from specexec.drafters.base import Draft, DraftRequest, TreeDraftRunner, expandable
-from specexec.runner import ModelRunner
+from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
 from specexec.sampling import probs_from_logits, sample, sample_without_replacement
 from specexec.tree import DraftTree
 
 
-class SampledTreeDrafter:
-    def __init__(self, runner: ModelRunner, budget: int, branches: int = 4) -> None:
-        self.runner = runner
+class SampledTreeDrafter(DrafterBase):
+    def __init__(self, budget: int, branches: int = 4) -> None:
         self.branches = max(1, min(branches, budget))
         self.depth = max(1, budget // self.branches)
         self.max_tree_size = self.branches * self.depth + 1
@@ -20,7 +18,7 @@ class SampledTreeDrafter:
     def propose(self, request: DraftRequest) -> Draft:
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         draft = Draft(tree)
-        steps = TreeDraftRunner(self.runner, request, tree)
+        steps = TreeDraftRunner(request, tree)
         if request.max_depth < 1:
             return draft
         logits = steps.expand_root()  # (1, V)

@@ -1,0 +1,233 @@
+"""`specexec bench`: argparse setup and the command itself.
+
+Wiring into `specexec.cli` takes two lines: `add_bench_parser(commands)` in `build_parser`, and
+`if args.command == "bench": return run_bench(args)` in `main`. `run_bench` prints its own errors (one
+line, exit status 1), so it needs nothing from `main`'s handler. `python -m specexec.bench ...` runs the
+same command standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+EXIT_FAILURE = 1
+
+_METHODS_HELP = "ar,sd,specinfer,specexec,hf-assisted,hf-lookup"
+
+
+def _type(parse):
+    """Turn a BenchError from `parse` into argparse's one-line usage error."""
+
+    def convert(text: str):
+        from specexec.bench.core import BenchError
+
+        try:
+            return parse(text)
+        except BenchError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _methods(text: str) -> list[str]:
+    from specexec.bench.core import parse_methods
+
+    return parse_methods(text)
+
+
+def _budgets(text: str) -> list[int]:
+    from specexec.bench.core import parse_budgets
+
+    return parse_budgets(text, "budget list")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def add_bench_parser(subcommands) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to an `add_subparsers()` object; returns its parser."""
+    from specexec.bench.core import (
+        DEFAULT_BRANCHES,
+        DEFAULT_BUDGETS,
+        DEFAULT_EXPAND,
+        DEFAULT_SD_BUDGETS,
+        DEFAULT_WIDTH,
+    )
+    from specexec.cli import add_model_args, add_sampling_args
+
+    def joined(values) -> str:
+        return ",".join(map(str, values))
+
+    p = subcommands.add_parser(
+        "bench",
+        help="benchmark methods and budgets side by side on a prompt set",
+        description="Run every method/budget configuration on the same prompts, interleaved, after a "
+        "warm-up; write results.json, results.md, records.jsonl and plots to --out.",
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--prompts", default="humaneval", help="humaneval, mtbench or a JSONL file (default humaneval)"
+    )
+    p.add_argument("--n-prompts", type=_int_at_least(1), default=10, help="first N prompts (default 10)")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
+    p.add_argument(
+        "--methods",
+        type=_type(_methods),
+        default=_methods(_METHODS_HELP),
+        help=f"comma-separated, from {_METHODS_HELP} (default all); ar always runs, as the reference",
+    )
+    p.add_argument(
+        "--budgets",
+        type=_type(_budgets),
+        default=list(DEFAULT_BUDGETS),
+        help=f"specexec tree budgets (default {joined(DEFAULT_BUDGETS)})",
+    )
+    p.add_argument(
+        "--sd-budgets",
+        type=_type(_budgets),
+        default=list(DEFAULT_SD_BUDGETS),
+        help=f"sd draft lengths (default {joined(DEFAULT_SD_BUDGETS)})",
+    )
+    p.add_argument(
+        "--specinfer-budgets",
+        type=_type(_budgets),
+        default=None,
+        help="specinfer tree budgets (default: --budgets)",
+    )
+    p.add_argument(
+        "--expand", type=_int_at_least(1), default=DEFAULT_EXPAND, help="specexec: nodes per draft pass"
+    )
+    p.add_argument(
+        "--width", type=_int_at_least(1), default=DEFAULT_WIDTH, help="specexec: children per node"
+    )
+    p.add_argument("--branches", type=_int_at_least(1), default=DEFAULT_BRANCHES, help="specinfer: chains")
+    add_sampling_args(p)
+    p.add_argument(
+        "--warmup-tokens",
+        type=_int_at_least(0),
+        default=16,
+        help="warm-up generation length per configuration, on the first prompt, not counted (0 = none)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--out", required=True, help="output folder")
+    return p
+
+
+def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
+    """Run `specexec bench` from parsed arguments; errors print one line and return 1."""
+    from specexec.bench.core import BenchError
+    from specexec.engine import GenerationError
+    from specexec.models import ModelSourceError
+    from specexec.prompts import PromptSetError
+
+    try:
+        return _run(args, command or shlex.join(sys.argv))
+    except (BenchError, PromptSetError, GenerationError, ModelSourceError, OSError) as e:
+        print(f"specexec: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _run(args: argparse.Namespace, command: str) -> int:
+    import importlib.util
+    from pathlib import Path
+
+    from specexec.bench.core import DRAFT_METHODS, BenchError, make_configs, run_benchmark
+    from specexec.bench.report import machine_info, write_outputs
+    from specexec.cli import load_pair
+    from specexec.models import load_tokenizer
+    from specexec.prompts import load_prompts
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BenchError("the plots need matplotlib: pip install 'specexec[bench]'")
+    configs = make_configs(
+        args.methods,
+        args.budgets,
+        sd_budgets=args.sd_budgets,
+        specinfer_budgets=args.specinfer_budgets,
+        expand=args.expand,
+        width=args.width,
+        branches=args.branches,
+    )
+    need_draft = any(c.method in DRAFT_METHODS for c in configs)
+    tokenizer = load_tokenizer(args.target)
+    prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
+    if not prompts:
+        raise BenchError(f"prompt set {args.prompts!r} has no prompts")
+    tokenizer, target, draft = load_pair(args, need_draft)
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result = run_benchmark(
+        target,
+        draft,
+        tokenizer,
+        prompts,
+        configs,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        warmup_tokens=args.warmup_tokens,
+        progress=not args.no_progress,
+        records_path=Path(args.out) / "records.jsonl",  # rewritten in order at the end
+    )
+    machine = machine_info(
+        dtype=str(target.dtype).removeprefix("torch."),
+        simulated_offload=args.simulated,
+        command=command,
+        target=args.target,
+        draft=args.draft if need_draft else None,
+        prompt_set=args.prompts,
+        seed=args.seed,
+    )
+    paths = write_outputs(args.out, result, machine)
+    for row in result.rows:
+        speedup = "n/a" if row["speedup_vs_ar"] is None else f"{row['speedup_vs_ar']:.2f}x"
+        tps = "n/a" if row["tokens_per_step"] is None else f"{row['tokens_per_step']:.2f}"
+        print(
+            f"[{row['label']}] {tps} tokens/call, {row['tok_per_s'] or 0:.2f} tok/s decode, "
+            f"{row['tok_per_s_with_prefill'] or 0:.2f} tok/s incl. prefill, speedup {speedup}, "
+            f"identical to ar: {row['identical_to_ar']}",
+            file=sys.stderr,
+        )
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`specexec bench` without the rest of the CLI: `python -m specexec.bench --prompts ... --out DIR`."""
+    parser = _OneLineParser(prog="specexec")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    add_bench_parser(commands)
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(["bench", *args_list])
+    if argv is not None:
+        command = shlex.join(["specexec", "bench", *args_list])
+    elif sys.argv[0].endswith("__main__.py"):
+        command = shlex.join(["python", "-m", "specexec.bench", *args_list])
+    else:
+        command = shlex.join(sys.argv)
+    try:
+        return run_bench(args, command)
+    except KeyboardInterrupt:
+        print("specexec: interrupted", file=sys.stderr)
+        return 130

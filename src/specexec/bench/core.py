@@ -1,0 +1,500 @@
+"""Run every configuration on the same prompts, interleaved, and keep one raw record per (prompt, config).
+
+Timing protocol (same clock, `specexec.runner.clock`, for every method):
+
+- Warm-up: each configuration generates `warmup_tokens` tokens on the first prompt first; not recorded.
+- Interleaving: prompt i runs the configurations in the list rotated left by i, so no configuration always
+  runs first (or right after a given other one).
+- Seeds: prompt i uses seed `seed + i` in every configuration.
+- `wall_seconds`: the whole call, from request to last token (prefill included).
+- specexec's own methods (ar, sd, specinfer, specexec): prefill and decode times come from the engine's
+  `Stats` (prefill = target and draft forwards over the prompt; decode = everything after).
+- Hugging Face methods (hf-assisted, hf-lookup): target and draft forwards are counted and timed by
+  forward hooks. `generate` folds the prompt into its first target forward (prompt + first candidates),
+  so the target's prefill cannot be timed inside it: it is estimated as a separate forward of the target
+  over the same prompt, timed just before the call, capped at the first target forward's own time. The
+  assistant's first forward is the draft's prefill alone (prompt only), so hf-assisted's draft prefill is
+  that forward's measured time. prefill_seconds = target estimate + draft prefill; decode_seconds =
+  wall_seconds - prefill_seconds; target/draft seconds are the hooked times minus their prefill parts.
+  Every target forward counts as a verification call (the first one also processes the prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from specexec.engine import METHODS, generate
+from specexec.models import eos_token_ids
+from specexec.prompts import Prompt
+from specexec.runner import clock
+from specexec.sampling import SamplingParams
+
+ENGINE_METHODS = METHODS
+HF_METHODS = ("hf-assisted", "hf-lookup")
+BENCH_METHODS = ENGINE_METHODS + HF_METHODS
+BUDGET_METHODS = ("sd", "specinfer", "specexec")  # the methods a budget applies to
+DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec", "hf-assisted")
+PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
+
+DEFAULT_BUDGETS = (16, 64, 256, 1024)
+DEFAULT_SD_BUDGETS = (2, 4, 8)
+DEFAULT_EXPAND = 32
+DEFAULT_WIDTH = 8
+DEFAULT_BRANCHES = 4
+
+
+class BenchError(ValueError):
+    """A benchmark that cannot run as asked (bad method or budget list, no prompts, missing draft, ...)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration: a method and, for the methods that take them, its budget and tree shape."""
+
+    method: str
+    budget: int | None = None
+    expand: int | None = None  # specexec only
+    width: int | None = None  # specexec only
+    branches: int | None = None  # specinfer only
+
+    def __post_init__(self) -> None:
+        if self.method not in BENCH_METHODS:
+            raise BenchError(f"unknown method {self.method!r}; choose from {', '.join(BENCH_METHODS)}")
+        if self.method in BUDGET_METHODS and (self.budget is None or self.budget < 1):
+            raise BenchError(f"method {self.method!r} needs a budget >= 1, got {self.budget}")
+        if self.method not in BUDGET_METHODS and self.budget is not None:
+            raise BenchError(f"method {self.method!r} takes no budget")
+        # Tree shape: the defaults where it applies, nothing where it does not.
+        shape = {
+            "expand": DEFAULT_EXPAND if self.method == "specexec" else None,
+            "width": DEFAULT_WIDTH if self.method == "specexec" else None,
+            "branches": DEFAULT_BRANCHES if self.method == "specinfer" else None,
+        }
+        for name, default in shape.items():
+            value = getattr(self, name)
+            if default is None and value is not None:
+                raise BenchError(f"method {self.method!r} takes no {name}")
+            if default is not None and value is None:
+                object.__setattr__(self, name, default)
+            elif value is not None and value < 1:
+                raise BenchError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method}@{self.budget}"
+
+    def as_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "method": self.method,
+            "budget": self.budget,
+            "expand": self.expand,
+            "width": self.width,
+            "branches": self.branches,
+        }
+
+
+def parse_methods(text: str) -> list[str]:
+    """A comma-separated method list, in the given order, duplicates dropped."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise BenchError(f"empty method list {text!r}; choose from {', '.join(BENCH_METHODS)}")
+    unknown = [name for name in names if name not in BENCH_METHODS]
+    if unknown:
+        raise BenchError(f"unknown method {unknown[0]!r}; choose from {', '.join(BENCH_METHODS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_budgets(text: str, option: str = "--budgets") -> list[int]:
+    """A comma-separated list of positive integers, duplicates dropped, sorted."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise BenchError(f"{option}: empty budget list")
+    budgets = []
+    for part in parts:
+        try:
+            value = int(part)
+        except ValueError:
+            raise BenchError(f"{option}: {part!r} is not an integer (expected e.g. 16,64,256)") from None
+        if value < 1:
+            raise BenchError(f"{option}: budgets must be >= 1, got {value}")
+        budgets.append(value)
+    return sorted(set(budgets))
+
+
+def make_configs(
+    methods: Sequence[str],
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    *,
+    sd_budgets: Sequence[int] = DEFAULT_SD_BUDGETS,
+    specinfer_budgets: Sequence[int] | None = None,
+    expand: int = DEFAULT_EXPAND,
+    width: int = DEFAULT_WIDTH,
+    branches: int = DEFAULT_BRANCHES,
+) -> list[BenchConfig]:
+    """Expand methods x budgets into configurations; `ar` (the reference) is always included, first.
+
+    sd runs once per `sd_budgets` entry (its draft length), specinfer once per `specinfer_budgets` entry
+    (default: `budgets`), specexec once per `budgets` entry; ar, hf-assisted and hf-lookup run once.
+    """
+    methods = list(dict.fromkeys(["ar", *methods]))
+    per_method = {
+        "sd": sd_budgets,
+        "specinfer": budgets if specinfer_budgets is None else specinfer_budgets,
+        "specexec": budgets,
+    }
+    configs = []
+    for method in methods:
+        if method not in BENCH_METHODS:
+            raise BenchError(f"unknown method {method!r}; choose from {', '.join(BENCH_METHODS)}")
+        if method not in BUDGET_METHODS:
+            configs.append(BenchConfig(method))
+            continue
+        if not per_method[method]:
+            raise BenchError(f"method {method!r} needs at least one budget")
+        for budget in per_method[method]:
+            if method == "specexec":
+                configs.append(BenchConfig(method, budget, expand=expand, width=width))
+            elif method == "specinfer":
+                configs.append(BenchConfig(method, budget, branches=branches))
+            else:
+                configs.append(BenchConfig(method, budget))
+    return configs
+
+
+@dataclass
+class BenchResult:
+    records: list[dict]  # one per (prompt, configuration), warm-up excluded
+    rows: list[dict]  # one per configuration, from `summarize(records)`
+    configs: list[BenchConfig] = field(default_factory=list)
+
+
+def run_benchmark(
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompts: Sequence[Prompt],
+    configs: Sequence[BenchConfig],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    warmup_tokens: int = 16,
+    eos_token_id: Sequence[int] | None = None,
+    progress: bool = True,
+    records_path: str | os.PathLike | None = None,
+) -> BenchResult:
+    """Run every configuration on every prompt (interleaved, after a warm-up) and summarize.
+
+    `eos_token_id` defaults to `eos_token_ids(target, tokenizer)`; the same ids go to every method.
+    `warmup_tokens` = 0 skips the warm-up. With `records_path`, each record is also appended to that JSONL
+    file as soon as it is measured, so an interrupted run keeps what it measured.
+    """
+    from specexec.bench.report import summarize
+
+    configs = list(configs)
+    prompts = list(prompts)
+    _check(target, draft, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens)
+    eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+
+    def run(config: BenchConfig, prompt: Prompt, tokens: int, prompt_seed: int) -> dict:
+        if config.method in HF_METHODS:
+            return _run_hf(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
+        return _run_engine(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
+
+    from tqdm.auto import tqdm
+
+    if warmup_tokens > 0:
+        for config in tqdm(configs, desc="warm-up", unit="config", file=sys.stderr, disable=not progress):
+            run(config, prompts[0], min(warmup_tokens, max_new_tokens), seed)
+
+    records = []
+    total = len(prompts) * len(configs)
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress)
+    with ExitStack() as stack:
+        stack.enter_context(bar)
+        sink = stack.enter_context(open(records_path, "w", encoding="utf-8")) if records_path else None
+        for index, prompt in enumerate(prompts):
+            shift = index % len(configs)
+            for order, config in enumerate(configs[shift:] + configs[:shift]):
+                bar.set_postfix_str(f"{prompt.id} {config.label}", refresh=False)
+                measured = run(config, prompt, max_new_tokens, seed + index)
+                records.append(
+                    {
+                        **config.as_dict(),
+                        **sampling,
+                        "max_new_tokens": max_new_tokens,
+                        "prompt_index": index,
+                        "prompt_id": prompt.id,
+                        "seed": seed + index,
+                        "order": order,
+                        **measured,
+                    }
+                )
+                if sink is not None:
+                    sink.write(json.dumps(records[-1]) + "\n")
+                    sink.flush()
+                bar.update()
+    records.sort(key=lambda r: (r["prompt_index"], configs.index(_config_of(r))))
+    return BenchResult(records, summarize(records), configs)
+
+
+def _config_of(record: dict) -> BenchConfig:
+    keys = ("method", "budget", "expand", "width", "branches")
+    return BenchConfig(**{k: record[k] for k in keys})
+
+
+def _check(target, draft, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens) -> None:
+    if not prompts:
+        raise BenchError("no prompts to run")
+    if not configs:
+        raise BenchError("no configurations to run")
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels):
+        duplicate = next(label for label in labels if labels.count(label) > 1)
+        raise BenchError(f"more than one configuration is labelled {duplicate!r}; labels must be distinct")
+    if max_new_tokens < 1:
+        raise BenchError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if warmup_tokens < 0:
+        raise BenchError(f"warmup_tokens must be >= 0, got {warmup_tokens}")
+    try:
+        SamplingParams(temperature, top_k, top_p)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    needs_draft = sorted({c.method for c in configs if c.method in DRAFT_METHODS})
+    if draft is None and needs_draft:
+        raise BenchError(f"method(s) {', '.join(needs_draft)} need a draft model")
+    empty = [p.id for p in prompts if not p.input_ids]
+    if empty:
+        raise BenchError(f"prompt {empty[0]} has no tokens")
+    window = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(prompts, key=lambda p: len(p.input_ids))
+    if window is not None and len(longest.input_ids) + max_new_tokens > window:
+        raise BenchError(
+            f"prompt {longest.id} ({len(longest.input_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the target's context window of {window} tokens"
+        )
+
+
+def _run_engine(
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    config: BenchConfig,
+    input_ids: list[int],
+    max_new_tokens: int,
+    seed: int,
+    eos: list[int],
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+) -> dict:
+    shape = {}
+    if config.method == "specexec":
+        shape = {"expand": config.expand, "width": config.width}
+    elif config.method == "specinfer":
+        shape = {"branches": config.branches}
+    start = clock(target.device)
+    out = generate(
+        target,
+        None if config.method == "ar" else draft,
+        input_ids,
+        method=config.method,
+        budget=config.budget,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        eos_token_id=eos,
+        **shape,
+    )
+    wall = clock(target.device) - start
+    stats = out.stats
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "new_tokens": stats.new_tokens,
+        "tokens": out.tokens,
+        "finish_reason": out.finish_reason,
+        "target_calls": stats.target_calls,
+        "draft_calls": stats.draft_calls,
+        "prefill_seconds": stats.prefill_seconds,
+        "decode_seconds": stats.decode_seconds,
+        "wall_seconds": wall,
+        "draft_seconds": stats.draft_seconds,
+        "target_seconds": stats.target_seconds,
+        "tree_sizes": list(stats.tree_sizes),
+        "tree_depths": list(stats.tree_depths),
+        "accepted": list(stats.accepted),
+        "prefill_timing": "engine",
+        "hf_settings": None,
+    }
+
+
+class _ForwardMeter:
+    """Counts and times a model's forwards (hooks on the top module), and records their input lengths."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.calls = 0
+        self.seconds = 0.0
+        self.first_seconds = 0.0  # the first forward alone
+        self.input_lengths: list[int] = []
+        self._start = 0.0
+        self._handles = []
+
+    def __enter__(self) -> _ForwardMeter:
+        self._handles = [
+            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.model.register_forward_hook(self._after),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.input_lengths.append(int(ids.shape[-1]) if ids is not None else 0)
+        self._start = clock(self.model.device)
+
+    def _after(self, module, args, output) -> None:
+        elapsed = clock(self.model.device) - self._start
+        if self.calls == 0:
+            self.first_seconds = elapsed
+        self.seconds += elapsed
+        self.calls += 1
+
+
+@contextmanager
+def _plain_generation_configs(*models: PreTrainedModel | None) -> Iterator[None]:
+    """Give each model a GenerationConfig holding only its special-token ids, for the duration.
+
+    `generate` fills every option the caller leaves unset from `model.generation_config`, so a checkpoint's
+    sampling defaults (repetition_penalty, top_k, ...) would leak into the Hugging Face runs; and
+    assisted generation reads its knobs from the assistant's config, which must stay at the library
+    defaults (num_assistant_tokens=20, "constant" schedule, assistant_confidence_threshold=0.4).
+    """
+    saved = []
+    for model in models:
+        if model is None:
+            continue
+        old = model.generation_config
+        ids = {k: getattr(old, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        saved.append((model, old))
+        model.generation_config = GenerationConfig(**ids)
+    try:
+        yield
+    finally:
+        for model, old in saved:
+            model.generation_config = old
+
+
+def hf_assisted_settings() -> dict:
+    """The dynamic-speculation settings hf-assisted runs with (library defaults), for the report."""
+    import importlib.util
+
+    defaults = GenerationConfig._get_default_generation_params()
+    return {
+        "num_assistant_tokens": defaults["num_assistant_tokens"],
+        "num_assistant_tokens_schedule": defaults["num_assistant_tokens_schedule"],
+        "assistant_confidence_threshold": defaults["assistant_confidence_threshold"],
+        # The ROC adaptation of the threshold runs only when scikit-learn is importable.
+        "threshold_adaptation": importlib.util.find_spec("sklearn") is not None,
+    }
+
+
+@torch.inference_mode()
+def _run_hf(
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    config: BenchConfig,
+    input_ids: list[int],
+    max_new_tokens: int,
+    seed: int,
+    eos: list[int],
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+) -> dict:
+    assisted = config.method == "hf-assisted"
+    ids = torch.tensor([input_ids], dtype=torch.long, device=target.device)
+    options: dict = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
+    if temperature > 0:
+        options.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    if eos:
+        options["eos_token_id"] = eos
+        options["pad_token_id"] = target.generation_config.pad_token_id
+        if options["pad_token_id"] is None:
+            options["pad_token_id"] = eos[0]
+    if not assisted:
+        options["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    generation_config = GenerationConfig(**options)
+
+    with _plain_generation_configs(target, draft if assisted else None):
+        # Prefill estimate: the same prompt forwarded alone, by the target (and the draft).
+        target_estimate = _prompt_forward_seconds(target, ids)
+        torch.manual_seed(seed)
+        with ExitStack() as meters:
+            target_meter = meters.enter_context(_ForwardMeter(target))
+            draft_meter = meters.enter_context(_ForwardMeter(draft)) if assisted else None
+            start = clock(target.device)
+            out = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=generation_config,
+                assistant_model=draft if assisted else None,
+            )
+            wall = clock(target.device) - start
+
+    tokens = out[0, ids.shape[1] :].tolist()
+    # Capped at the first target forward, which includes the prompt: decode time and the forward-time
+    # split then stay consistent (target + draft <= decode) whatever the noise of the estimate.
+    target_prefill = min(target_estimate, target_meter.first_seconds)
+    draft_prefill = draft_meter.first_seconds if draft_meter else 0.0
+    prefill = target_prefill + draft_prefill
+    # Draft tokens verified by each target forward: the first forward also carries the prompt.
+    lengths = target_meter.input_lengths
+    tree_sizes = [max(0, n - 1) for n in lengths]
+    if tree_sizes:
+        tree_sizes[0] = max(0, lengths[0] - len(input_ids))
+    return {
+        "prompt_tokens": len(input_ids),
+        "new_tokens": len(tokens),
+        "tokens": tokens,
+        "finish_reason": "stop" if tokens and tokens[-1] in eos else "length",
+        "target_calls": target_meter.calls,
+        "draft_calls": draft_meter.calls if draft_meter else 0,
+        "prefill_seconds": prefill,
+        "decode_seconds": max(0.0, wall - prefill),
+        "wall_seconds": wall,
+        "draft_seconds": draft_meter.seconds - draft_prefill if draft_meter else 0.0,
+        "target_seconds": target_meter.seconds - target_prefill,
+        "tree_sizes": tree_sizes,
+        "tree_depths": list(tree_sizes),  # HF drafts are chains
+        "accepted": None,
+        "prefill_timing": "separate-forward",
+        "hf_settings": hf_assisted_settings()
+        if assisted
+        else {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "max_matching_ngram_size": 2},
+    }
+
+
+def _prompt_forward_seconds(model: PreTrainedModel, ids: torch.Tensor) -> float:
+    start = clock(model.device)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return clock(model.device) - start

@@ -1,0 +1,326 @@
+"""From raw per-prompt records to the per-configuration table, results.json, results.md and the plots.
+
+Metric definitions (per configuration, summed over prompts, warm-up excluded):
+
+- tokens_per_step: new tokens / target verification forwards, the bonus token included, prefill
+  excluded (total over total); tokens_per_step_mean is the mean of the per-prompt ratios.
+- tok_per_s: new tokens / decode seconds (decoding only, prefill excluded).
+- tok_per_s_with_prefill: new tokens / wall seconds of the whole calls (request to last token).
+- speedup_vs_ar: tok_per_s / tok_per_s of `ar` in the same run (speedup_vs_ar_with_prefill likewise).
+- draft/target/overhead seconds: inside the draft's forwards, inside the target's forwards, and the rest
+  of the decode time; *_share are fractions of decode_seconds.
+- mean_tree_size / mean_tree_depth: draft tokens verified per target forward and the depth of that
+  tree, averaged over all steps of all prompts (chains for sd and the HF methods: depth = size).
+- identical_to_ar (greedy only, else null): every prompt's output equals ar's, token for token.
+  identical_prompts_fraction: the fraction of prompts whose output equals ar's.
+  matching_prefix_fraction: per prompt, the length of the common prefix of the two outputs divided by
+  the longer output's length (1 only when identical), averaged over prompts. In float32 greedy all three
+  must be true / 1.0; in bfloat16 near-ties can flip a token, after which the outputs diverge, which is why
+  the prefix up to the first difference is the measure rather than a per-position match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+from specexec.bench.core import BUDGET_METHODS, BenchResult
+
+_SUMS = (
+    "prompt_tokens",
+    "new_tokens",
+    "target_calls",
+    "draft_calls",
+    "prefill_seconds",
+    "decode_seconds",
+    "wall_seconds",
+    "draft_seconds",
+    "target_seconds",
+)
+_CONFIG_KEYS = ("label", "method", "budget", "expand", "width", "branches")
+_SETTING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """One row per configuration (in order of first appearance), recomputable from records.jsonl alone."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(record["label"], []).append(record)
+    reference = {r["prompt_index"]: r["tokens"] for r in groups.get("ar", [])}
+    rows = [_row(group, reference) for group in groups.values()]
+    ar = next((row for row in rows if row["label"] == "ar"), None)
+    for row in rows:
+        for key, base in (
+            ("speedup_vs_ar", "tok_per_s"),
+            ("speedup_vs_ar_with_prefill", "tok_per_s_with_prefill"),
+        ):
+            row[key] = _ratio(row[base], ar[base]) if ar is not None else None
+    return rows
+
+
+def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
+    first = group[0]
+    row: dict = {k: first[k] for k in _CONFIG_KEYS + _SETTING_KEYS}
+    row["prompts"] = len(group)
+    for key in _SUMS:
+        row[key] = sum(r[key] for r in group)
+    decode = row["decode_seconds"]
+    row["overhead_seconds"] = max(0.0, decode - row["draft_seconds"] - row["target_seconds"])
+    row["tokens_per_step"] = _ratio(row["new_tokens"], row["target_calls"])
+    per_prompt = [_ratio(r["new_tokens"], r["target_calls"]) for r in group]
+    row["tokens_per_step_mean"] = _mean([x for x in per_prompt if x is not None])
+    row["tok_per_s"] = _ratio(row["new_tokens"], decode)
+    row["tok_per_s_with_prefill"] = _ratio(row["new_tokens"], row["wall_seconds"])
+    for part in ("draft", "target", "overhead"):
+        row[f"{part}_share"] = _ratio(row[f"{part}_seconds"], decode)
+    row["mean_tree_size"] = _mean([x for r in group for x in r["tree_sizes"] or []])
+    row["mean_tree_depth"] = _mean([x for r in group for x in r["tree_depths"] or []])
+    accepted = [x for r in group for x in r["accepted"] or []]
+    row["mean_accepted"] = _mean(accepted) if all(r["accepted"] is not None for r in group) else None
+    row["stopped_at_eos"] = sum(r["finish_reason"] == "stop" for r in group)
+    row["prefill_timing"] = first["prefill_timing"]
+    row["hf_settings"] = first.get("hf_settings")
+    row.update(_identity(group, reference))
+    return row
+
+
+def _identity(group: list[dict], reference: dict[int, list[int]]) -> dict:
+    comparable = group[0]["temperature"] == 0 and all(r["prompt_index"] in reference for r in group)
+    if not comparable:
+        return {"identical_to_ar": None, "identical_prompts_fraction": None, "matching_prefix_fraction": None}
+    same, prefixes = [], []
+    for r in group:
+        ours, ref = r["tokens"], reference[r["prompt_index"]]
+        same.append(ours == ref)
+        common = next(
+            (i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref))
+        )
+        prefixes.append(common / max(len(ours), len(ref)) if max(len(ours), len(ref)) else 1.0)
+    return {
+        "identical_to_ar": all(same),
+        "identical_prompts_fraction": sum(same) / len(same),
+        "matching_prefix_fraction": _mean(prefixes),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def machine_info(
+    *,
+    dtype: str,
+    command: str,
+    target: str | None = None,
+    draft: str | None = None,
+    prompt_set: str | None = None,
+    seed: int | None = None,
+    simulated_offload: str | None = None,
+) -> dict:
+    """Where and how the numbers were measured (`simulated_offload` labels simulated target timings)."""
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        version = metadata.version("specexec")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specexec": version,
+        "dtype": dtype,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "target": target,
+        "draft": draft,
+        "prompt_set": prompt_set,
+        "simulated_offload": simulated_offload,
+        "seed": seed,
+    }
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """records.jsonl back into a list (feed it to `summarize` to recompute the table)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_outputs(
+    out_dir: str | os.PathLike, result: BenchResult, machine: dict, *, plots: bool = True
+) -> dict[str, Path]:
+    """Write results.json, results.md, records.jsonl and (with `plots`) the two PNGs; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "results.json": out / "results.json",
+        "results.md": out / "results.md",
+        "records.jsonl": out / "records.jsonl",
+    }
+    rows = [{**row, "machine": machine} for row in result.rows]
+    paths["results.json"].write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    with paths["records.jsonl"].open("w", encoding="utf-8") as f:
+        for record in result.records:
+            f.write(json.dumps(record) + "\n")
+    if plots:
+        paths.update(write_plots(out, result.rows))
+    paths["results.md"].write_text(markdown(result.rows, machine, plots=plots), encoding="utf-8")
+    return paths
+
+
+def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
+    first = rows[0] if rows else {}
+    m = machine.get
+    sampling = "greedy"
+    if first.get("temperature") != 0:
+        sampling = (
+            f"temperature {first.get('temperature')}, top_p {first.get('top_p')}, top_k {first.get('top_k')}"
+        )
+    lines = [
+        "# specexec bench",
+        "",
+        f"Target `{m('target')}`, draft `{m('draft')}`, prompts `{m('prompt_set')}` "
+        f"({_plural(first.get('prompts', 0), 'prompt')}), max_new_tokens {first.get('max_new_tokens')}, "
+        f"{sampling}, seed {m('seed')}, dtype {m('dtype')}.",
+        "",
+        "| config | tok/call | tok/call (mean per prompt) | decode tok/s | tok/s incl. prefill "
+        "| speedup vs ar | draft / target / overhead | tree size | tree depth | target calls | new tokens "
+        "| identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        shares = " / ".join(_pct(row[f"{p}_share"]) for p in ("draft", "target", "overhead"))
+        lines.append(
+            f"| {row['label']} | {_num(row['tokens_per_step'])} | {_num(row['tokens_per_step_mean'])} "
+            f"| {_num(row['tok_per_s'])} | {_num(row['tok_per_s_with_prefill'])} "
+            f"| {_num(row['speedup_vs_ar'], 'x')} | {shares} | {_num(row['mean_tree_size'], digits=1)} "
+            f"| {_num(row['mean_tree_depth'], digits=1)} | {row['target_calls']} | {row['new_tokens']} "
+            f"| {_identical(row)} |"
+        )
+    gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+    if machine.get("simulated_offload"):
+        lines += ["", f"**SIMULATED target timings** ({machine['simulated_offload']})."]
+    lines += [
+        "",
+        f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('torch_threads')} torch threads){gpu}; "
+        f"{m('platform')}; Python {m('python')}, torch {m('torch')}, transformers {m('transformers')}, "
+        f"specexec {m('specexec')}; {m('date')}.",
+        "",
+        "Command:",
+        "",
+        "```",
+        str(machine.get("command")),
+        "```",
+        "",
+        "Definitions:",
+        "",
+        "- tok/call: new tokens / target verification forwards (bonus token included, prefill excluded), "
+        "total over total; the next column is the mean of the per-prompt ratios.",
+        "- decode tok/s: new tokens / decode seconds summed over prompts; tok/s incl. prefill: new tokens / "
+        "wall seconds of the whole calls. Speedup: decode tok/s over ar's, same run.",
+        "- Every configuration ran on the same prompts with the same seed per prompt, interleaved (the order "
+        "rotated per prompt), after a warm-up generation per configuration that is not counted.",
+        "- hf-assisted / hf-lookup are Hugging Face `generate` (assistant_model at its default dynamic "
+        "settings; prompt_lookup_num_tokens=10), timed by the same clock; target/draft forwards are counted "
+        "and timed by forward hooks. generate folds the prompt into its first target forward, so the "
+        "target's prefill is estimated by a separate forward over the prompt just before the call (capped "
+        "at that first forward's time) and subtracted; the draft's prefill is the assistant's first forward "
+        "(prompt only). Tree size = candidates per verification.",
+        "- identical to ar (greedy only): yes when every prompt's output equals ar's; otherwise the number "
+        "of identical prompts and the mean common-prefix fraction (common prefix / longer output).",
+    ]
+    if plots:
+        lines += ["", "![tokens per step](tokens_per_step.png)", "", "![tok/s](tok_per_s.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _num(value: float | None, suffix: str = "", digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _identical(row: dict) -> str:
+    if row["identical_to_ar"] is None:
+        return "n/a"
+    if row["identical_to_ar"]:
+        return "yes"
+    same = round(row["identical_prompts_fraction"] * row["prompts"])
+    return f"no ({same}/{row['prompts']} prompts; prefix {row['matching_prefix_fraction']:.2f})"
+
+
+def write_plots(out_dir: Path, rows: Sequence[dict]) -> dict[str, Path]:
+    """tokens_per_step.png and tok_per_s.png: budget methods as lines over budget, the others as levels."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+
+    paths = {
+        "tokens_per_step.png": out_dir / "tokens_per_step.png",
+        "tok_per_s.png": out_dir / "tok_per_s.png",
+    }
+    panels = {
+        "tokens_per_step.png": [("tokens_per_step", "tokens per target call")],
+        "tok_per_s.png": [("tok_per_s", "decode tok/s"), ("tok_per_s_with_prefill", "tok/s incl. prefill")],
+    }
+    for name, metrics in panels.items():
+        fig = Figure(figsize=(6.4 * len(metrics), 4.4), layout="constrained")
+        for i, (key, title) in enumerate(metrics):
+            _panel(fig.add_subplot(1, len(metrics), i + 1), rows, key, title)
+        fig.savefig(paths[name], dpi=120)
+    return paths
+
+
+def _panel(ax, rows: Sequence[dict], key: str, title: str) -> None:
+    colors = iter(f"C{i}" for i in range(100))
+    budgeted = [r for r in rows if r["method"] in BUDGET_METHODS]
+    for method in dict.fromkeys(r["method"] for r in budgeted):
+        points = sorted(
+            (r["budget"], r[key]) for r in budgeted if r["method"] == method and r[key] is not None
+        )
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", color=next(colors), label=method)
+    styles = iter(["--", ":", "-."] * 100)  # distinct even where two levels coincide
+    for row in rows:
+        if row["method"] not in BUDGET_METHODS and row[key] is not None:
+            ax.axhline(row[key], color=next(colors), linestyle=next(styles), label=row["label"])
+    if budgeted:
+        ax.set_xscale("log", base=2)
+        budgets = sorted({r["budget"] for r in budgeted})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("budget (draft tokens per target call; sd: draft length)")
+    ax.set_ylabel(title)
+    ax.set_title(f"{title} vs budget")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")

@@ -1,0 +1,415 @@
+"""`specexec bench`: schema, greedy identity with ar, outputs, interleaving, seeds and errors, on tiny models.
+
+The models are tiny random Qwen2s in float32. Their weights are drawn with a large initializer range so
+next-token distributions are peaked (no near-ties: greedy outputs must match exactly across methods and
+across Hugging Face's own cache), and the draft is the target with a little weight noise, so drafts are
+partly accepted and the speculative methods take more than one token per target call.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from specexec.bench import (
+    BenchConfig,
+    BenchError,
+    machine_info,
+    make_configs,
+    parse_budgets,
+    parse_methods,
+    read_records,
+    run_benchmark,
+    summarize,
+    write_outputs,
+)
+from specexec.bench.cli import main
+from specexec.prompts import Prompt, load_prompts
+
+VOCAB = 128
+EOS = 1
+NEW = 24
+REQUIRED = {
+    "method": str,
+    "budget": (int, type(None)),
+    "temperature": float,
+    "prompts": int,
+    "new_tokens": int,
+    "target_calls": int,
+    "tokens_per_step": float,
+    "tok_per_s": float,
+    "tok_per_s_with_prefill": float,
+    "speedup_vs_ar": float,
+    "identical_to_ar": bool,
+}
+FLOATS = (
+    "tokens_per_step_mean",
+    "prefill_seconds",
+    "decode_seconds",
+    "wall_seconds",
+    "draft_seconds",
+    "target_seconds",
+    "overhead_seconds",
+    "draft_share",
+    "target_share",
+    "overhead_share",
+    "identical_prompts_fraction",
+    "matching_prefix_fraction",
+)
+MACHINE = ("cpu_model", "cpu_count", "torch_threads", "torch", "transformers", "dtype", "date", "command")
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.5,  # peaked distributions: clear greedy margins
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def noisy_copy(model: Qwen2ForCausalLM, noise: float = 0.05, seed: int = 1) -> Qwen2ForCausalLM:
+    """The model plus Gaussian weight noise of `noise` times each tensor's std: a partly agreeing draft."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            if param.numel() > 1:
+                param.add_(torch.randn(param.shape, generator=gen) * param.std() * noise)
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen2ForCausalLM:
+    return tiny_qwen2(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
+    return noisy_copy(target)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level: "[UNK]" = 0, "<eos>" = 1, "w2" .. "w127" = 2 .. 127."""
+    words = ["[UNK]", "<eos>", *(f"w{i}" for i in range(2, VOCAB))]
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Repeated phrases give prompt lookup something to match.
+    lines = []
+    for i in range(3):
+        phrase = " ".join(f"w{(7 * i + 3 * j) % 120 + 2}" for j in range(8))
+        lines.append(json.dumps({"prompt": f"{phrase} w{40 + i} {phrase}"}))
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: PreTrainedTokenizerFast, prompt_file: Path) -> list[Prompt]:
+    return load_prompts(str(prompt_file), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def greedy(target, draft, tokenizer, prompts):
+    configs = make_configs(
+        ["sd", "specexec", "hf-assisted", "hf-lookup"], [4, 16], sd_budgets=[2], expand=4, width=4
+    )
+    result = run_benchmark(
+        target, draft, tokenizer, prompts, configs, max_new_tokens=NEW, warmup_tokens=4, progress=False
+    )
+    return configs, result
+
+
+def test_configs_expand_methods_and_budgets() -> None:
+    configs = make_configs(
+        ["specexec", "sd", "hf-lookup", "specinfer"], [16, 64], sd_budgets=[2], specinfer_budgets=[8]
+    )
+    labels = [c.label for c in configs]
+    assert labels == ["ar", "specexec@16", "specexec@64", "sd@2", "hf-lookup", "specinfer@8"]
+    assert configs[1].expand == 32 and configs[1].width == 8 and configs[-1].branches == 4
+    assert [c.label for c in make_configs(["specinfer"], [16, 64])] == ["ar", "specinfer@16", "specinfer@64"]
+
+
+def test_schema(greedy) -> None:
+    configs, result = greedy
+    rows = result.rows
+    assert [r["label"] for r in rows] == [c.label for c in configs]
+    assert [r["label"] for r in rows] == [
+        "ar",
+        "sd@2",
+        "specexec@4",
+        "specexec@16",
+        "hf-assisted",
+        "hf-lookup",
+    ]
+    for row in rows:
+        for key, kind in REQUIRED.items():
+            assert isinstance(row[key], kind), (row["label"], key, row[key])
+        for key in FLOATS:
+            assert isinstance(row[key], float), (row["label"], key, row[key])
+        assert row["prompts"] == 3
+        assert row["temperature"] == 0.0
+        assert row["new_tokens"] > 0 and row["target_calls"] > 0
+        assert row["tokens_per_step"] == pytest.approx(row["new_tokens"] / row["target_calls"])
+        assert row["tok_per_s"] == pytest.approx(row["new_tokens"] / row["decode_seconds"])
+        assert row["tok_per_s_with_prefill"] == pytest.approx(row["new_tokens"] / row["wall_seconds"])
+        assert row["tok_per_s_with_prefill"] <= row["tok_per_s"]
+        assert row["draft_share"] + row["target_share"] + row["overhead_share"] == pytest.approx(
+            1.0, abs=1e-6
+        )
+    by_label = {r["label"]: r for r in rows}
+    assert by_label["ar"]["tokens_per_step"] == 1.0 and by_label["ar"]["speedup_vs_ar"] == 1.0
+    assert by_label["ar"]["draft_calls"] == 0 and by_label["ar"]["mean_tree_size"] == 0.0
+    assert by_label["specexec@16"]["tokens_per_step"] > 1.0, "a partly agreeing draft is accepted"
+    assert by_label["hf-assisted"]["tokens_per_step"] > 1.0
+    assert by_label["hf-assisted"]["draft_calls"] > 0 and by_label["hf-lookup"]["draft_calls"] == 0
+    assert by_label["hf-assisted"]["prefill_timing"] == "separate-forward"
+    assert 4 < by_label["specexec@16"]["mean_tree_size"] <= 16  # smaller near the end of the output
+    assert by_label["sd@2"]["mean_tree_depth"] <= 2
+    assert 0 < by_label["hf-lookup"]["mean_tree_size"] <= 10  # prompt_lookup_num_tokens=10
+
+
+def test_greedy_float32_is_identical_to_ar(greedy) -> None:
+    _, result = greedy
+    for row in result.rows:
+        assert row["identical_to_ar"] is True, row["label"]
+        assert row["identical_prompts_fraction"] == 1.0
+        assert row["matching_prefix_fraction"] == 1.0
+
+
+def test_records_stream_to_a_file(target, draft, tokenizer, prompts, tmp_path: Path) -> None:
+    configs = [BenchConfig("ar"), BenchConfig("sd", 2)]
+    path = tmp_path / "live.jsonl"
+    result = run_benchmark(
+        target, draft, tokenizer, prompts[:2], configs, max_new_tokens=4, warmup_tokens=0,
+        progress=False, records_path=path,
+    )  # fmt: skip
+    live = read_records(path)  # in run order: prompt 1 starts with sd@2
+    assert [r["label"] for r in live] == ["ar", "sd@2", "sd@2", "ar"]
+    assert sorted(live, key=lambda r: (r["prompt_index"], r["method"])) == result.records
+
+
+def test_records_interleaving_and_recompute(greedy, tmp_path: Path) -> None:
+    configs, result = greedy
+    records = result.records
+    assert len(records) == 3 * len(configs), "warm-up runs are not recorded"
+    for index in range(3):
+        mine = sorted((r for r in records if r["prompt_index"] == index), key=lambda r: r["order"])
+        assert [r["label"] for r in mine] == [c.label for c in configs[index:] + configs[:index]]
+        assert {r["seed"] for r in mine} == {index}
+    for record in records:
+        assert record["new_tokens"] == len(record["tokens"])
+        assert record["finish_reason"] in ("stop", "length")
+        assert record["finish_reason"] == "length" or record["tokens"][-1] == EOS
+        assert record["prefill_seconds"] + record["decode_seconds"] <= record["wall_seconds"] + 1e-6
+        assert record["prefill_seconds"] > 0
+        assert 0 <= record["draft_seconds"] + record["target_seconds"] <= record["decode_seconds"] + 1e-6
+
+    machine = machine_info(dtype="float32", command="specexec bench --test", target="t", draft="d")
+    paths = write_outputs(tmp_path, result, machine)
+    assert summarize(read_records(paths["records.jsonl"])) == result.rows
+    saved = json.loads(paths["results.json"].read_text())
+    assert isinstance(saved, list) and len(saved) == len(configs)
+    for row, saved_row in zip(result.rows, saved, strict=True):
+        assert {k: v for k, v in saved_row.items() if k != "machine"} == row
+        assert all(key in saved_row["machine"] for key in MACHINE)
+        assert saved_row["machine"]["command"] == "specexec bench --test"
+    text = paths["results.md"].read_text()
+    assert "| config |" in text and "specexec bench --test" in text
+    for config in configs:
+        assert f"| {config.label} |" in text
+    for name in ("tokens_per_step.png", "tok_per_s.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sampling_is_seeded_and_not_compared(target, draft, tokenizer, prompts) -> None:
+    configs = make_configs(["specexec", "hf-assisted", "hf-lookup"], [8], expand=4, width=4)
+
+    def run():
+        return run_benchmark(
+            target,
+            draft,
+            tokenizer,
+            prompts[:2],
+            configs,
+            max_new_tokens=12,
+            temperature=0.8,
+            top_p=0.9,
+            top_k=20,
+            seed=5,
+            warmup_tokens=0,
+            progress=False,
+        )
+
+    first, second = run(), run()
+    assert [r["tokens"] for r in first.records] == [r["tokens"] for r in second.records]
+    for row in first.rows:
+        assert row["temperature"] == 0.8 and row["top_p"] == 0.9 and row["top_k"] == 20
+        assert row["identical_to_ar"] is None and row["matching_prefix_fraction"] is None
+        assert isinstance(row["speedup_vs_ar"], float)
+
+
+def test_hf_ignores_checkpoint_generation_defaults(target, draft, tokenizer, prompts) -> None:
+    """A checkpoint's sampling defaults must not leak into hf-* runs; the assistant keeps HF's defaults."""
+    target.generation_config.repetition_penalty = 5.0
+    draft.generation_config.num_assistant_tokens = 1
+    try:
+        configs = [BenchConfig("ar"), BenchConfig("hf-assisted"), BenchConfig("hf-lookup")]
+        result = run_benchmark(
+            target,
+            draft,
+            tokenizer,
+            prompts[:1],
+            configs,
+            max_new_tokens=NEW,
+            warmup_tokens=0,
+            progress=False,
+        )
+        assert all(row["identical_to_ar"] for row in result.rows)
+        assisted = next(r for r in result.records if r["method"] == "hf-assisted")
+        assert max(assisted["tree_sizes"]) > 1, "num_assistant_tokens stayed at the default 20"
+        assert target.generation_config.repetition_penalty == 5.0, "restored afterwards"
+        assert draft.generation_config.num_assistant_tokens == 1
+    finally:
+        target.generation_config.repetition_penalty = None
+        draft.generation_config.num_assistant_tokens = None
+
+
+def test_api_errors(target, draft, tokenizer, prompts) -> None:
+    assert issubclass(BenchError, ValueError)
+    assert parse_methods("ar, specexec,ar") == ["ar", "specexec"]
+    assert parse_budgets("64,16,64") == [16, 64]
+    with pytest.raises(BenchError, match="unknown method 'beam'"):
+        parse_methods("ar,beam")
+    for bad in ("16,x", "0", "", "16,,64", "-4"):
+        with pytest.raises(BenchError):
+            parse_budgets(bad)
+    with pytest.raises(BenchError, match="takes no budget"):
+        BenchConfig("ar", 4)
+    with pytest.raises(BenchError, match="needs a budget"):
+        BenchConfig("specexec")
+    with pytest.raises(BenchError, match="expand"):
+        make_configs(["specexec"], [16], expand=0)
+    with pytest.raises(BenchError, match="takes no width"):
+        BenchConfig("sd", 4, width=2)
+    assert BenchConfig("specexec", 4) == BenchConfig("specexec", 4, expand=32, width=8)
+
+    def bench(**kwargs):
+        args = {"target": target, "draft": draft, "tokenizer": tokenizer, "prompts": prompts}
+        args.update(kwargs)
+        configs = args.pop("configs", [BenchConfig("ar"), BenchConfig("specexec", 4)])
+        return run_benchmark(configs=configs, max_new_tokens=4, progress=False, **args)
+
+    with pytest.raises(BenchError, match="need a draft"):
+        bench(draft=None)
+    with pytest.raises(BenchError, match="no prompts"):
+        bench(prompts=[])
+    with pytest.raises(BenchError, match="temperature"):
+        bench(temperature=-1.0)
+    with pytest.raises(BenchError, match="context window"):
+        bench(prompts=[Prompt("long", "", [2] * 1022)])
+    with pytest.raises(BenchError, match="labelled 'ar'"):
+        bench(configs=[BenchConfig("ar"), BenchConfig("ar")])
+    with pytest.raises(BenchError, match="labelled 'specexec@4'"):
+        bench(configs=[BenchConfig("specexec", 4), BenchConfig("specexec", 4, width=2)])
+
+
+@pytest.fixture
+def model_dirs(target, draft, tokenizer, tmp_path_factory, monkeypatch) -> tuple[Path, Path]:
+    """The tiny pair saved as model folders, for the command line.
+
+    `AutoTokenizer` picks the tokenizer class from config.json's model type (Qwen2's byte-level BPE), which
+    cannot rebuild the word-level test tokenizer, so folders load the fixture tokenizer instead.
+    """
+    import specexec.models
+
+    root = tmp_path_factory.mktemp("models")
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+    real = specexec.models.load_tokenizer
+    monkeypatch.setattr(
+        specexec.models, "load_tokenizer", lambda source: tokenizer if Path(source).is_dir() else real(source)
+    )
+    return root / "target", root / "draft"
+
+
+def test_cli_end_to_end(model_dirs, prompt_file: Path, tmp_path: Path, capsys) -> None:
+    target_dir, draft_dir = model_dirs
+    argv = [
+        "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "float32",
+        "--prompts", str(prompt_file), "--n-prompts", "2", "--max-new-tokens", "12",
+        "--methods", "specexec,hf-lookup", "--budgets", "4", "--expand", "4", "--width", "2",
+        "--warmup-tokens", "2", "--no-progress", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["label"] for r in rows] == ["ar", "specexec@4", "hf-lookup"]
+    assert all(r["identical_to_ar"] and r["prompts"] == 2 for r in rows)
+    assert rows[1]["expand"] == 4 and rows[1]["width"] == 2
+    machine = rows[0]["machine"]
+    assert machine["command"].startswith("specexec bench --target") and machine["dtype"] == "float32"
+    assert machine["target"] == str(target_dir) and machine["prompt_set"] == str(prompt_file)
+    for name in ("results.md", "records.jsonl", "tokens_per_step.png", "tok_per_s.png"):
+        assert (tmp_path / "out" / name).is_file()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--methods", "ar,beam"], "unknown method 'beam'"),
+        (["--budgets", "16,abc"], "'abc' is not an integer"),
+        (["--sd-budgets", "0"], "budgets must be >= 1"),
+        (["--n-prompts", "0"], "must be >= 1"),
+    ],
+)
+def test_cli_usage_errors(args: list[str], message: str, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompts", "no-such-set"], "unknown prompt set 'no-such-set'"),
+        (["--target", "MISSING"], "model path does not exist"),
+        (["--draft", "MISSING"], "model path does not exist"),
+    ],
+)
+def test_cli_errors_are_one_line(
+    args: list[str], message: str, model_dirs, prompt_file: Path, tmp_path: Path, capsys
+) -> None:
+    target_dir, draft_dir = model_dirs
+    argv = ["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompt_file)]
+    argv += [str(tmp_path / "missing") if a == "MISSING" else a for a in args]
+    assert main([*argv, "--n-prompts", "1", "--no-progress", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("specexec: error: ") and err.count("\n") == 1 and message in err
+    assert not (tmp_path / "out").exists()
