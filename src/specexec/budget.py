@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import statistics
 from collections import deque
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from specexec.runner import ModelRunner, clock
 
 
 class HeuristicLookahead:
@@ -68,3 +79,152 @@ def best_threshold(samples: list[tuple[float, bool]], min_samples: int, current:
         if cost < best_cost:
             best, best_cost = confidence, cost
     return best
+
+
+class CostModel:
+    """Measured forward times: the target against tokens verified, the draft against nodes expanded.
+
+    Linear interpolation between measured sizes, and linear extrapolation past the last two.
+    """
+
+    def __init__(self, target: dict[int, float], draft: dict[int, float], label: str = "") -> None:
+        if len(target) < 2 or len(draft) < 2:
+            raise ValueError("a cost model needs at least two measured sizes per model")
+        self.target = dict(sorted(target.items()))
+        self.draft = dict(sorted(draft.items()))
+        self.label = label
+
+    def target_seconds(self, tokens: int) -> float:
+        return _interpolate(self.target, tokens)
+
+    def draft_seconds(self, nodes: int) -> float:
+        return _interpolate(self.draft, nodes)
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "target": self.target, "draft": self.draft}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        as_points = lambda d: {int(k): float(v) for k, v in d.items()}  # noqa: E731
+        return cls(as_points(data["target"]), as_points(data["draft"]), data.get("label", ""))
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    xs = list(points)
+    i = next((i for i, v in enumerate(xs) if v >= x), len(xs) - 1)
+    i = min(max(i, 1), len(xs) - 1)
+    (x0, y0), (x1, y1) = (xs[i - 1], points[xs[i - 1]]), (xs[i], points[xs[i]])
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class AutoBudget:
+    """Chooses the SpecExec tree size per step from a cost model and an acceptance estimate.
+
+    A node whose draft path probability is d is accepted with probability about min(1, scale * d); `scale`
+    is learnt from this generation's verifications (accepted tokens over predicted). The tree of size b
+    (the b best nodes) is worth E(b) / T(b) tokens per second, with E(b) = 1 + the sum of those
+    probabilities and T(b) = draft time spent + target time for b + 1 tokens. Growth continues while one
+    more draft round is expected to raise that rate; the verified tree is the b that maximises it.
+    """
+
+    def __init__(self, cost: CostModel, max_budget: int = 1024, prior_weight: float = 4.0) -> None:
+        self.cost = cost
+        self.max_budget = max_budget
+        # A prior of `prior_weight` predicted tokens, all accepted: start by trusting the draft.
+        self.predicted = prior_weight
+        self.observed = prior_weight
+        # Target time for 1 .. max_budget + 1 tokens, looked up every draft round.
+        self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
+
+    @property
+    def scale(self) -> float:
+        return self.observed / self.predicted
+
+    def node_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        return (self.scale * scores.exp()).clamp(max=1.0)
+
+    def best_size(self, ranked_scores: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
+        """(b, rate) maximising E(b) / T(b) over b = 0..len(ranked_scores), best-first scores."""
+        gains = torch.cat([torch.ones(1), 1 + self.node_probs(ranked_scores).cumsum(0)])  # (n+1,)
+        rates = gains / (draft_seconds + self.target_table[: len(gains)])
+        best = int(rates.argmax())
+        return best, float(rates[best])
+
+    def worth_another_round(
+        self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_prob: float
+    ) -> bool:
+        """Whether expanding the `frontier` nodes (scores; each child about `child_prob` likely) should
+        raise the rate of the best tree from the `ranked` node scores."""
+        size, rate = self.best_size(ranked, draft_seconds)
+        gain = 1 + float(self.node_probs(ranked[:size]).sum())
+        extra = float(self.node_probs(frontier).sum()) * child_prob
+        grown = min(size + len(frontier), self.max_budget)
+        time = draft_seconds + self.cost.draft_seconds(len(frontier)) + float(self.target_table[grown])
+        return (gain + extra) / time > rate
+
+    def observe(self, verified_scores: torch.Tensor, accepted: int) -> None:
+        self.predicted += float(verified_scores.exp().sum())
+        self.observed += accepted
+
+
+TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def calibrate(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    context: int = 256,
+    repeats: int = 3,
+    label: str = "",
+    progress: bool = True,
+) -> CostModel:
+    """Time a forward of n new tokens after a `context`-token prefix, per size (median of `repeats`)."""
+    jobs = [(target, n) for n in TARGET_SIZES] + [(draft, n) for n in DRAFT_SIZES]
+    bar = tqdm(total=len(jobs) * repeats, desc="calibrating forward costs", disable=not progress, leave=False)
+    runners = {id(m): ModelRunner(m, context + max(TARGET_SIZES)) for m in (target, draft)}
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(m.config.get_text_config().vocab_size for m in (target, draft))
+    times: dict[int, dict[int, float]] = {id(target): {}, id(draft): {}}
+    with torch.inference_mode():
+        for model, n in jobs:
+            runner = runners[id(model)]
+            if runner.length < context:
+                runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(model.device))
+            samples = []
+            for _ in range(repeats + 1):  # the first run of each size warms up
+                runner.keep(torch.arange(context, device=model.device))
+                tokens = torch.randint(0, vocab, (n,), generator=generator).to(model.device)
+                start = clock(model.device)
+                runner.extend(tokens, logits_to_keep=n)
+                samples.append(clock(model.device) - start)
+                bar.update(1 if len(samples) > 1 else 0)
+            times[id(model)][n] = statistics.median(samples[1:])
+    bar.close()
+    return CostModel(times[id(target)], times[id(draft)], label)
+
+
+def cached_cost_model(target: PreTrainedModel, draft: PreTrainedModel, label: str = "") -> CostModel:
+    """The calibration of this pair on this machine, measured on first use and cached on disk.
+
+    The cache key covers both models (name and size), their dtypes and devices, the thread count and
+    `label` (say, an offloading setup), so a change in any of them calibrates again.
+    """
+    path = _calibration_path(target, draft, label)
+    if path.exists():
+        return CostModel.from_json(json.loads(path.read_text()))
+    cost = calibrate(target, draft, label=label)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cost.to_json(), indent=1))
+    return cost
+
+
+def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: str) -> Path:
+    def describe(model: PreTrainedModel) -> str:
+        size = sum(p.numel() for p in model.parameters())
+        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}"
+
+    key = "|".join([describe(target), describe(draft), str(torch.get_num_threads()), label])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPECEXEC_CACHE", Path.home() / ".cache" / "specexec"))
+    return root / "calibration" / f"{digest}.json"

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specexec.budget import ConfidenceStop, HeuristicLookahead
+from specexec.budget import AutoBudget, ConfidenceStop, CostModel, HeuristicLookahead, cached_cost_model
 from specexec.drafters import (
     BestFirstDrafter,
     ChainDrafter,
@@ -115,7 +115,7 @@ def stream(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
-    budget: int | None = None,
+    budget: int | str | None = None,
     expand: int = 32,
     width: int = 8,
     max_rounds: int = 32,
@@ -126,6 +126,7 @@ def stream(
     eos_token_id: int | Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
     tokenizer=None,
+    cost_model: CostModel | None = None,
 ) -> Iterator[Chunk]:
     """Speculative decoding, yielding the tokens committed at each step.
 
@@ -139,7 +140,9 @@ def stream(
       "specinfer" `branches` sampled chains, `budget` draft tokens in all, multi-draft rejection;
       "specexec"  a best-first tree of `budget` tokens (`expand` nodes per draft pass, `width` children
                   per node, at most `max_rounds` draft passes), verified by the cache walk.
-    `budget` defaults to DEFAULT_BUDGETS[method].
+    `budget` defaults to DEFAULT_BUDGETS[method]. For "specexec", budget="auto" sizes every step's tree
+    by expected speed, from `cost_model` (by default this pair's calibration, measured on first use and
+    cached) and the acceptances seen so far.
     Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
     (which needs `tokenizer`).
@@ -152,8 +155,12 @@ def stream(
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     budget = DEFAULT_BUDGETS[method] if budget is None else budget
-    if method != "ar" and budget < 1:
-        raise GenerationError(f"budget must be >= 1, got {budget}")
+    if budget == "auto":
+        if method != "specexec":
+            raise GenerationError(f"budget 'auto' is for method 'specexec', not {method!r}")
+        budget = AutoBudget(cost_model or cached_cost_model(target, draft))
+    elif not isinstance(budget, int) or (method != "ar" and budget < 1):
+        raise GenerationError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
     if lookahead_schedule not in ("constant", "heuristic"):
         raise GenerationError(
             f"lookahead_schedule must be 'constant' or 'heuristic', got {lookahead_schedule!r}"
@@ -241,7 +248,7 @@ def stream(
 
 def _make_drafter(
     method: str,
-    budget: int,
+    budget: int | AutoBudget,
     expand: int,
     width: int,
     max_rounds: int,

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from specexec.budget import AutoBudget
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
 from specexec.tree import DraftTree
 
 
 class BestFirstDrafter(DrafterBase):
-    def __init__(self, budget: int, expand: int = 32, width: int = 8, max_rounds: int = 32) -> None:
+    """`budget` is a node count, or an `AutoBudget` that sizes each step's tree by expected speed."""
+
+    def __init__(
+        self, budget: int | AutoBudget, expand: int = 32, width: int = 8, max_rounds: int = 32
+    ) -> None:
+        self.policy = budget if isinstance(budget, AutoBudget) else None
+        budget = self.policy.max_budget if self.policy else budget
         self.budget = budget
         self.expand = max(1, min(expand, budget))
         self.width = max(1, min(width, budget))
@@ -26,10 +33,14 @@ class BestFirstDrafter(DrafterBase):
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         steps = TreeDraftRunner(request, tree)
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
+        draft_seconds = 0.0  # the cost model's estimate, for the auto budget
         for round_ in range(self.max_rounds if request.max_depth >= 1 else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
             top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
             log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
+            if self.policy:
+                draft_seconds += self.policy.cost.draft_seconds(len(frontier))
+                child_prob = float(log_probs[:, 0].exp().mean())  # how sure the draft is, this round
             scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
             fresh = scores.isfinite()
             first_new = tree.size
@@ -49,7 +60,19 @@ class BestFirstDrafter(DrafterBase):
             if not candidates.numel():
                 break
             frontier = candidates[: self.expand].sort().values
+            if self.policy and not self.policy.worth_another_round(
+                tree.scores[self._ranked(tree)], tree.scores[frontier], draft_seconds, child_prob
+            ):
+                break
+        if self.policy:
+            ranked = self._ranked(tree)
+            size, _ = self.policy.best_size(tree.scores[ranked], draft_seconds)
+            steps.keep_nodes(torch.cat([ranked.new_zeros(1), ranked[:size].sort().values]))
         return Draft(tree, draft_calls=steps.calls)
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        if self.policy:
+            self.policy.observe(draft.tree.scores[1 : draft.tree.size], accepted)
 
     @staticmethod
     def _ranked(tree: DraftTree, among: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""`specexec serve`: its arguments, and the entry point that loads the models and runs uvicorn.
+
+Importing this module needs nothing beyond specexec itself, so the CLI can offer the subcommand even
+where the `server` extra is not installed; `serve` says what to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 16
+_INSTALL_HINT = "pip install 'specexec[server]'"
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own options (the model and method options come from the CLI's shared helpers)."""
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECEXEC_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: $SPECEXEC_API_KEY; none = no check)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=_non_negative,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"requests that may wait while one generates; more get 429 (default {DEFAULT_MAX_QUEUE})",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help="the model id clients send and /v1/models lists (default: --target)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the pair named by `args`, bind, and serve until interrupted. Returns the exit status."""
+    try:
+        import uvicorn
+
+        from specexec.server.app import create_app
+    except ImportError as err:
+        print(f"specexec: error: the server needs {err.name}: {_INSTALL_HINT}", file=sys.stderr)
+        return 1
+    import torch
+
+    from specexec import models
+    from specexec.models import check_same_vocab, eos_token_ids, load_model, load_tokenizer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    log = logging.getLogger("specexec.server")
+    # Bind before the (slow) model load, so a busy port fails at once.
+    sock = _bind(args.host, args.port)
+    if args.api_key is None and not _is_loopback(args.host):
+        log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    if getattr(args, "dtype", None):
+        dtype = getattr(torch, args.dtype)
+    else:
+        dtype = models.default_dtype() if hasattr(models, "default_dtype") else torch.float32
+    tokenizer = load_tokenizer(args.target)
+    draft = None
+    if args.method != "ar":
+        check_same_vocab(tokenizer, load_tokenizer(args.draft))
+        draft = load_model(args.draft, dtype)
+    target = load_model(args.target, dtype)
+    app = create_app(
+        target,
+        draft,
+        tokenizer,
+        method=args.method,
+        budget=args.budget,
+        api_key=args.api_key or None,
+        max_queue=args.max_queue,
+        model_name=args.model_name or _model_id(args.target),
+        eos_token_id=eos_token_ids(target, tokenizer),
+    )
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s (%s) on http://%s:%d/v1", app.state.model_name, args.method, host, port)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _model_id(source: str) -> str:
+    """What clients call the model: a packaged name as is, a folder's or a .gguf file's own name."""
+    path = Path(source.rstrip("/\\"))
+    return path.stem if path.suffix.lower() == ".gguf" else (path.name or source)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    # proto is IPPROTO_TCP here; asyncio sets TCP_NODELAY on accepted connections only for such sockets.
+    family, kind, proto, _, address = info[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,328 @@
+"""One generation at a time on a dedicated worker thread, fed by a bounded FIFO queue.
+
+The engine is CPU/GPU-bound torch code, so it never runs on the event loop. The HTTP side submits a
+`Job`; the worker thread runs the jobs one after another and sends each step's text back to the event
+loop through the job's asyncio queue. `Job.cancel()` (a client went away) reaches the worker between two
+decoding steps: the worker stops iterating the engine's generator and takes the next job at once. A job
+still waiting in the queue is simply removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specexec.engine import GenerationError, Stats, stream
+from specexec.server.metrics import Metrics
+from specexec.server.text import TextStream
+
+log = logging.getLogger("specexec.server")
+
+
+class ShuttingDown(RuntimeError):
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass
+class Params:
+    """One validated request, in engine terms."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Update:
+    """What one decoding step produced, for the HTTP side.
+
+    `finish_reason` and `stats` are set on the last update only; `error` (a GenerationError or another
+    exception) ends a job that failed.
+    """
+
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    stats: dict | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class JobRecord:
+    """What the worker did with a job, kept for /health and for tests."""
+
+    id: int
+    finish_reason: str  # stop, length, cancelled or error
+    steps: int
+    enqueued_at: float
+    started_at: float | None
+    ended_at: float
+
+
+class Job:
+    def __init__(self, queue: GenerationQueue, job_id: int, params: Params, loop: asyncio.AbstractEventLoop):
+        self.id = job_id
+        self.params = params
+        self.enqueued_at = time.perf_counter()
+        self.started_at: float | None = None
+        self._queue = queue
+        self._loop = loop
+        self._updates: asyncio.Queue[Update] = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop this job: dropped from the queue if waiting, stopped after the current step if running.
+
+        Idempotent and safe from any thread; a no-op once the job has finished.
+        """
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._queue._discard(self)
+
+    async def next(self) -> Update:
+        return await self._updates.get()
+
+    def _push(self, update: Update) -> None:
+        """Called from the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._updates.put_nowait, update)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening any more
+            self._cancelled.set()
+
+
+class GenerationQueue:
+    """Runs `specexec.stream` for one job at a time, in FIFO order, with at most `max_queue` waiting."""
+
+    def __init__(
+        self,
+        target,
+        draft,
+        tokenizer,
+        *,
+        method: str,
+        budget: int,
+        eos_token_id: list[int] | None,
+        max_queue: int,
+        metrics: Metrics,
+        history: int = 256,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        # The worker decodes while request handlers encode in their own thread; Rust tokenizers refuse
+        # concurrent use of one object ("Already borrowed"), so the worker has its own copy.
+        try:
+            self.tokenizer = copy.deepcopy(tokenizer)
+        except Exception:  # pragma: no cover - a tokenizer that cannot be copied
+            self.tokenizer = tokenizer
+        self.method = method
+        self.budget = budget
+        self.eos_token_id = eos_token_id
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.history: deque[JobRecord] = deque(maxlen=history)
+        self._pending: deque[Job] = deque()
+        self._running: Job | None = None
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self._mean_seconds = 1.0  # moving average of generation time, for Retry-After
+        self._thread: threading.Thread | None = None
+
+    # ---- event-loop side -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            self._stopping = False
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name="specexec-generation", daemon=True)
+                self._thread.start()
+
+    def ensure_running(self) -> bool:
+        """Start the worker if it never started or has died; False once `stop` has been called."""
+        if self._stopping:
+            return False
+        if not self.alive:
+            log.warning("starting the generation worker")
+            self.start()
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            pending, self._pending = list(self._pending), deque()
+            if self._running is not None:
+                self._running._cancelled.set()
+            self._cond.notify_all()
+        for job in pending:
+            job._cancelled.set()
+            job._push(Update(error=ShuttingDown()))
+        self.metrics.queue_depth.set(0)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting (not counting the one running)."""
+        return len(self._pending)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def submit(self, params: Params, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a job, or raise QueueFull when `max_queue` jobs are already waiting behind a running one.
+
+        Raises ShuttingDown once the queue has been stopped.
+        """
+        if not self.ensure_running():
+            raise ShuttingDown()
+        with self._cond:
+            waiting = len(self._pending) + (1 if self._running is not None else 0)
+            if waiting > self.max_queue:
+                self.metrics.rejected.inc()
+                ahead = len(self._pending) + 1
+                raise QueueFull(max(1, min(600, math.ceil(self._mean_seconds * ahead))))
+            job = Job(self, next(self._ids), params, loop)
+            self._pending.append(job)
+            self.metrics.queue_depth.set(len(self._pending))
+            self._cond.notify()
+        return job
+
+    def _discard(self, job: Job) -> None:
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:
+                return  # running or finished: the worker sees the flag
+            self.metrics.queue_depth.set(len(self._pending))
+        self._record(job, "cancelled", 0)
+
+    # ---- worker thread -------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._pending.popleft()
+                self._running = job
+                self.metrics.queue_depth.set(len(self._pending))
+            self.metrics.running.set(1)
+            try:
+                self._run(job)
+            except BaseException as err:  # never let the worker die: the job fails, the server goes on
+                log.exception("generation %d failed", job.id)
+                job._push(Update(error=err))
+                self._record(job, "error", 0)
+            finally:
+                with self._cond:
+                    self._running = None
+                self.metrics.running.set(0)
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled:
+            self._record(job, "cancelled", 0)
+            return
+        p = job.params
+        job.started_at = time.perf_counter()
+        self.metrics.queue_wait.observe(job.started_at - job.enqueued_at)
+        text = TextStream(self.tokenizer, p.stop)
+        generator = stream(
+            self.target,
+            self.draft,
+            p.prompt_ids,
+            method=self.method,
+            budget=self.budget,
+            max_new_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            eos_token_id=self.eos_token_id,
+            stop_strings=p.stop,
+            tokenizer=self.tokenizer if p.stop else None,
+        )
+        stats: Stats | None = None
+        steps = 0
+        finish = "cancelled"
+        try:
+            for chunk in generator:
+                if steps == 0:
+                    self.metrics.first_token.observe(time.perf_counter() - job.started_at)
+                steps += 1
+                stats = chunk.stats
+                final = chunk.finish_reason is not None
+                delta = text.add(chunk.tokens, final=final)
+                if text.stopped:
+                    final = True
+                if final:
+                    finish = chunk.finish_reason or "stop"
+                    job._push(Update(delta, len(chunk.tokens), finish, self._stats(stats, job)))
+                    break
+                if job.cancelled:
+                    break
+                job._push(Update(delta, len(chunk.tokens)))
+        except GenerationError as err:
+            job._push(Update(error=err))
+            finish = "error"
+        finally:
+            generator.close()
+        if stats is not None:
+            self.metrics.prompt_tokens.inc(stats.prompt_tokens)
+            self.metrics.completion_tokens.inc(stats.new_tokens)
+            self.metrics.target_calls.inc(stats.target_calls)
+            if finish in ("stop", "length") and stats.target_calls:
+                self.metrics.tokens_per_step.observe(stats.tokens_per_step)
+        self._record(job, finish, steps)
+
+    def _stats(self, stats: Stats, job: Job) -> dict:
+        out = stats.to_dict()
+        sizes, accepted, depths = out.pop("tree_sizes"), out.pop("accepted"), out.pop("tree_depths")
+        out["mean_tree_size"] = sum(sizes) / len(sizes) if sizes else 0.0
+        out["mean_tree_depth"] = sum(depths) / len(depths) if depths else 0.0
+        out["mean_accepted"] = sum(accepted) / len(accepted) if accepted else 0.0
+        out["queue_seconds"] = (job.started_at or job.enqueued_at) - job.enqueued_at
+        return out
+
+    def _record(self, job: Job, finish: str, steps: int) -> None:
+        now = time.perf_counter()
+        self.metrics.generations.labels(finish).inc()
+        if job.started_at is not None:
+            seconds = now - job.started_at
+            self.metrics.generation_time.observe(seconds)
+            if finish in ("stop", "length"):
+                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * seconds
+        self.history.append(JobRecord(job.id, finish, steps, job.enqueued_at, job.started_at, now))
+
+
+def random_seed() -> int:
+    return secrets.randbits(63)

@@ -1,0 +1,171 @@
+"""Lookahead schedules, the confidence stop and its adaptation, the cost model and the auto budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import specexec
+from specexec.budget import (
+    AutoBudget,
+    ConfidenceStop,
+    CostModel,
+    HeuristicLookahead,
+    best_threshold,
+    cached_cost_model,
+)
+from specexec.drafters import ChainDrafter, DraftRequest
+from specexec.runner import ModelRunner
+from specexec.sampling import SamplingParams
+
+# CPU, model in memory: verifying 64 tokens costs 2.2x one token (anchors.md, transformers bf16).
+STEEP = CostModel({1: 0.26, 4: 0.26, 16: 0.29, 64: 0.58, 256: 1.03}, {1: 0.09, 4: 0.10, 16: 0.14, 64: 0.29})
+# Offloaded target: every forward streams all weights, so 1024 tokens cost about what 1 does.
+FLAT = CostModel({1: 5.0, 1024: 5.3, 4096: 6.5}, {1: 0.01, 64: 0.015})
+
+
+def tiny(seed: int, noise: float = 0.0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.6, eos_token_id=None,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny(0)
+    return target, tiny(0, noise=0.05), torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(1))
+
+
+def test_heuristic_lookahead_grows_and_shrinks() -> None:
+    schedule = HeuristicLookahead(5)
+    schedule.observe(drafted=5, accepted=5)
+    assert schedule.length == 7
+    schedule.observe(drafted=7, accepted=3)
+    assert schedule.length == 6
+    for _ in range(10):
+        schedule.observe(drafted=schedule.length, accepted=0)
+    assert schedule.length == 1  # floor
+
+
+def test_best_threshold_separates_classes_and_weights_false_negatives() -> None:
+    accepted = [(c, True) for c in (0.9, 0.85, 0.8, 0.75, 0.7)]
+    rejected = [(c, False) for c in (0.3, 0.2, 0.1)]
+    assert best_threshold(accepted + rejected, 6, 0.4) == 0.7  # keeps every accepted sample
+    # Two accepted tokens at low confidence: losing them costs 3x, so the threshold goes below them
+    # (FPR 2/3 there, against FNR 2/7 weighted 3x above them); a single one is not worth it.
+    assert best_threshold(accepted + rejected + [(0.15, True), (0.12, True)], 6, 0.4) == 0.12
+    assert best_threshold(accepted + rejected + [(0.15, True)], 6, 0.4) == 0.7
+    # Too few samples, or a single class: the current value stays.
+    assert best_threshold(accepted[:3] + rejected[:2], 6, 0.4) == 0.4
+    assert best_threshold(accepted * 3, 6, 0.4) == 0.4
+
+
+def test_confidence_stop_labels_only_verified_tokens() -> None:
+    stop = ConfidenceStop(0.4, adapt=False)
+    stop.observe([0.9, 0.8, 0.2, 0.7, 0.6], accepted=2)  # 0.2 rejected; 0.7 and 0.6 never verified
+    assert list(stop.history) == [(0.9, True), (0.8, True), (0.2, False)]
+    stop.observe([0.5, 0.4], accepted=2)  # all accepted: no negative label
+    assert list(stop.history)[-2:] == [(0.5, True), (0.4, True)]
+
+
+@torch.inference_mode()
+def test_adapted_threshold_applies_within_the_same_generation(models) -> None:
+    target, draft, prompt = models
+    runner = ModelRunner(draft, 64)
+    runner.extend(prompt[:-1])
+    stop = ConfidenceStop(threshold=0.0, adapt=False)
+    drafter = ChainDrafter(8, stop=stop)
+    request = DraftRequest(prompt, 20, torch.zeros(0, dtype=torch.long), 64, SamplingParams(), None, runner)
+    assert drafter.propose(request).tree.size - 1 == 8  # never unsure enough to stop
+    runner.keep(torch.arange(len(prompt) - 1))
+    stop.threshold = 1.0  # what adaptation may do between two steps of one call
+    assert drafter.propose(request).tree.size - 1 == 1  # the first token already falls below it
+    # And the engine feeds verification results back into the same ConfidenceStop during a call.
+    stop = ConfidenceStop(threshold=0.4, adapt=True, min_samples=2)
+    drafter = ChainDrafter(8, stop=stop)
+    for _ in range(4):
+        runner.keep(torch.arange(len(prompt) - 1))
+        draft_ = drafter.propose(request)
+        drafter.observe(draft_, accepted=0)  # every first token rejected
+        drafter.observe(draft_, accepted=len(draft_.confidences))
+    assert stop.threshold != 0.4
+
+
+def test_dsl_and_heuristic_sd_are_exact_and_adapt(models) -> None:
+    target, draft, prompt = models
+    reference = target.generate(prompt[None], do_sample=False, max_new_tokens=64)[0, len(prompt) :].tolist()
+    dsl = specexec.generate(target, draft, prompt, method="dsl", max_new_tokens=64)
+    assert dsl.tokens == reference
+    assert len(set(dsl.stats.tree_sizes)) > 1  # draft lengths vary with confidence
+    heuristic = specexec.generate(
+        target, draft, prompt, method="sd", budget=2, lookahead_schedule="heuristic", max_new_tokens=64
+    )
+    assert heuristic.tokens == reference
+    assert max(heuristic.stats.tree_sizes) > 2  # grew after fully accepted drafts
+    with pytest.raises(specexec.GenerationError, match="lookahead_schedule"):
+        specexec.generate(target, draft, prompt, method="sd", lookahead_schedule="fast")
+    with pytest.raises(specexec.GenerationError, match="auto"):
+        specexec.generate(target, draft, prompt, method="sd", budget="auto")
+
+
+def test_cost_model_interpolates_extrapolates_and_round_trips() -> None:
+    assert STEEP.target_seconds(1) == pytest.approx(0.26)
+    assert STEEP.target_seconds(40) == pytest.approx(0.29 + (0.58 - 0.29) * 24 / 48)
+    assert STEEP.target_seconds(512) == pytest.approx(1.03 + (1.03 - 0.58) * 256 / 192)
+    again = CostModel.from_json(json.loads(json.dumps(STEEP.to_json())))
+    assert again.target == STEEP.target and again.draft == STEEP.draft
+    with pytest.raises(ValueError):
+        CostModel({1: 1.0}, {1: 1.0})
+
+
+def test_auto_budget_picks_small_trees_when_verification_cost_grows_and_big_ones_when_flat() -> None:
+    scores = torch.arange(1, 1001) * torch.log(torch.tensor(0.97))  # best-first draft path log-probabilities
+    steep_size, _ = AutoBudget(STEEP).best_size(scores, draft_seconds=0.5)
+    flat_size, _ = AutoBudget(FLAT, max_budget=2048).best_size(scores, draft_seconds=0.5)
+    assert 16 <= steep_size <= 128
+    assert flat_size >= 2 * steep_size
+    # One more draft round: worth it when verification is flat and the frontier is likely, not otherwise.
+    frontier = scores[:32]
+    assert AutoBudget(FLAT, max_budget=2048).worth_another_round(scores[:64], frontier, 0.2, 0.8)
+    assert not AutoBudget(STEEP).worth_another_round(scores, scores[-32:], 2.0, 0.1)
+
+
+def test_auto_budget_learns_acceptance_scale() -> None:
+    policy = AutoBudget(STEEP, prior_weight=1.0)
+    policy.observe(torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5])), accepted=0)  # predicted 2, none accepted
+    assert policy.scale == pytest.approx(1 / 3)
+    assert float(policy.node_probs(torch.zeros(1))) == pytest.approx(1 / 3)
+
+
+def test_auto_budget_generation_is_exact_and_follows_the_regime(models) -> None:
+    target, draft, prompt = models
+    reference = target.generate(prompt[None], do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+    sizes = {}
+    for name, cost in (("steep", STEEP), ("flat", FLAT)):
+        out = specexec.generate(
+            target, draft, prompt, method="specexec", budget="auto", cost_model=cost, max_new_tokens=48
+        )
+        assert out.tokens == reference
+        sizes[name] = sum(out.stats.tree_sizes) / len(out.stats.tree_sizes)
+    assert sizes["flat"] > 4 * sizes["steep"], sizes
+
+
+def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
+    target, draft, _ = models
+    first = cached_cost_model(target, draft, label="test")
+    assert set(first.target) >= {1, 1024} and set(first.draft) >= {1, 64}
+    assert all(v > 0 for v in [*first.target.values(), *first.draft.values()])
+    assert list((tmp_path / "calibration").glob("*.json"))
+    monkeypatch.setattr("specexec.budget.calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
+    assert cached_cost_model(target, draft, label="test").target == first.target
