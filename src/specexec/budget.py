@@ -204,14 +204,19 @@ def calibrate(
     return CostModel(times[id(target)], times[id(draft)], label)
 
 
-def cached_cost_model(target: PreTrainedModel, draft: PreTrainedModel, label: str = "") -> CostModel:
+def cached_cost_model(
+    target: PreTrainedModel, draft: PreTrainedModel, recalibrate: bool = False
+) -> CostModel:
     """The calibration of this pair on this machine, measured on first use and cached on disk.
 
     The cache key covers both models (name and size), their dtypes and devices, the thread count and
-    `label` (say, an offloading setup), so a change in any of them calibrates again.
+    the target's offloading (real or simulated), so a change in any of them calibrates again.
     """
+    from specexec.offload import offload_label
+
+    label = offload_label(target)
     path = _calibration_path(target, draft, label)
-    if path.exists():
+    if path.exists() and not recalibrate:
         return CostModel.from_json(json.loads(path.read_text()))
     cost = calibrate(target, draft, label=label)
     path.parent.mkdir(parents=True, exist_ok=True)

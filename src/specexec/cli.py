@@ -27,6 +27,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -100,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", choices=METHODS, default="specexec")
     gen.add_argument(
         "--budget",
-        type=_positive_int,
+        type=_budget,
         default=None,
-        help="draft tokens verified per target pass (default per method: "
+        help="draft tokens verified per target pass, or 'auto' (specexec: sized per step from the "
+        "calibrated costs) (default per method: "
         + ", ".join(f"{m} {b}" for m, b in DEFAULT_BUDGETS.items() if b)
         + ")",
     )
@@ -114,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+
+    cal = commands.add_parser(
+        "calibrate", help="measure forward costs of the pair on this machine (used by --budget auto)"
+    )
+    add_model_args(cal)
 
     from specexec.bench.cli import add_bench_parser
 
@@ -136,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command == "bench":
             from specexec.bench.cli import run_bench
 
@@ -226,6 +238,22 @@ def _generate(args: argparse.Namespace) -> int:
         f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}",
         file=sys.stderr,
     )
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from specexec.budget import cached_cost_model
+
+    _, target, draft = load_pair(args, need_draft=True)
+    cost = cached_cost_model(target, draft, recalibrate=True)
+    print(
+        f"calibration{' (' + cost.label + ')' if cost.label else ''}: seconds per forward, 256-token context"
+    )
+    print("| tokens | target | draft |\n|---:|---:|---:|")
+    for n in sorted(set(cost.target) | set(cost.draft)):
+        t = f"{cost.target[n]:.4f}" if n in cost.target else ""
+        d = f"{cost.draft[n]:.4f}" if n in cost.draft else ""
+        print(f"| {n} | {t} | {d} |")
     return 0
 
 

@@ -599,6 +599,7 @@ class SimulatedOffload:
             model.register_forward_pre_hook(self._before),
             model.register_forward_hook(self._after),
         ]
+        model.__dict__["_specexec_simulated"] = self  # read by `offload_label`, not tracked by nn.Module
 
     @property
     def label(self) -> str:
@@ -611,6 +612,7 @@ class SimulatedOffload:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.model.__dict__.pop("_specexec_simulated", None)
 
     def __enter__(self) -> SimulatedOffload:
         return self
@@ -642,6 +644,16 @@ def simulate_offload(model: nn.Module, gbps: float, bytes_per_pass: int | None =
     if not gbps > 0 or not math.isfinite(gbps):
         raise OffloadError(f"simulated offload bandwidth must be a positive number of GB/s, got {gbps}")
     return SimulatedOffload(model, gbps, weight_bytes(model) if bytes_per_pass is None else bytes_per_pass)
+
+
+def offload_label(model: nn.Module) -> str:
+    """What offloading, real or simulated, changes this model's forward costs ("" for none)."""
+    parts = [
+        handle.describe() if hasattr(handle, "describe") else handle.label
+        for handle in (model.__dict__.get("_specexec_offloader"), model.__dict__.get("_specexec_simulated"))
+        if handle is not None
+    ]
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class BenchConfig:
     """One configuration: a method and, for the methods that take them, its budget and tree shape."""
 
     method: str
-    budget: int | None = None
+    budget: int | str | None = None  # "auto": specexec sizes each tree from the calibrated cost model
     expand: int | None = None  # specexec only
     width: int | None = None  # specexec only
     branches: int | None = None  # specinfer only
@@ -68,7 +68,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.method not in BENCH_METHODS:
             raise BenchError(f"unknown method {self.method!r}; choose from {', '.join(BENCH_METHODS)}")
-        if self.method in BUDGET_METHODS and (self.budget is None or self.budget < 1):
+        if self.budget == "auto" and self.method != "specexec":
+            raise BenchError(f"budget 'auto' is for specexec only, not {self.method!r}")
+        if (
+            self.method in BUDGET_METHODS
+            and self.budget != "auto"
+            and (self.budget is None or self.budget < 1)
+        ):
             raise BenchError(f"method {self.method!r} needs a budget >= 1, got {self.budget}")
         if self.method not in BUDGET_METHODS and self.budget is not None:
             raise BenchError(f"method {self.method!r} takes no budget")
@@ -113,21 +119,25 @@ def parse_methods(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def parse_budgets(text: str, option: str = "--budgets") -> list[int]:
-    """A comma-separated list of positive integers, duplicates dropped, sorted."""
+def parse_budgets(text: str, option: str = "--budgets") -> list[int | str]:
+    """A comma-separated list of positive integers (and "auto"), duplicates dropped, sorted."""
     parts = [part.strip() for part in text.split(",")]
     if not any(parts):
         raise BenchError(f"{option}: empty budget list")
     budgets = []
     for part in parts:
+        if part == "auto":
+            continue
         try:
             value = int(part)
         except ValueError:
-            raise BenchError(f"{option}: {part!r} is not an integer (expected e.g. 16,64,256)") from None
+            raise BenchError(
+                f"{option}: {part!r} is not an integer or 'auto' (expected e.g. 16,64,auto)"
+            ) from None
         if value < 1:
             raise BenchError(f"{option}: budgets must be >= 1, got {value}")
         budgets.append(value)
-    return sorted(set(budgets))
+    return sorted(set(budgets)) + (["auto"] if "auto" in parts else [])
 
 
 def make_configs(
@@ -148,7 +158,7 @@ def make_configs(
     methods = list(dict.fromkeys(["ar", *methods]))
     per_method = {
         "sd": sd_budgets,
-        "specinfer": budgets if specinfer_budgets is None else specinfer_budgets,
+        "specinfer": [b for b in budgets if b != "auto"] if specinfer_budgets is None else specinfer_budgets,
         "specexec": budgets,
     }
     configs = []

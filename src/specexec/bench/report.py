@@ -303,7 +303,7 @@ def write_plots(out_dir: Path, rows: Sequence[dict]) -> dict[str, Path]:
 
 def _panel(ax, rows: Sequence[dict], key: str, title: str) -> None:
     colors = iter(f"C{i}" for i in range(100))
-    budgeted = [r for r in rows if r["method"] in BUDGET_METHODS]
+    budgeted = [r for r in rows if r["method"] in BUDGET_METHODS and isinstance(r["budget"], int)]
     for method in dict.fromkeys(r["method"] for r in budgeted):
         points = sorted(
             (r["budget"], r[key]) for r in budgeted if r["method"] == method and r[key] is not None
@@ -313,7 +313,7 @@ def _panel(ax, rows: Sequence[dict], key: str, title: str) -> None:
             ax.plot(xs, ys, marker="o", color=next(colors), label=method)
     styles = iter(["--", ":", "-."] * 100)  # distinct even where two levels coincide
     for row in rows:
-        if row["method"] not in BUDGET_METHODS and row[key] is not None:
+        if row not in budgeted and row[key] is not None:  # ar, HF methods, dsl, specexec@auto: levels
             ax.axhline(row[key], color=next(colors), linestyle=next(styles), label=row["label"])
     if budgeted:
         ax.set_xscale("log", base=2)

@@ -222,7 +222,7 @@ class GenerationQueue:
             except ValueError:
                 return  # running or finished: the worker sees the flag
             self.metrics.queue_depth.set(len(self._pending))
-        self._record(job, "cancelled", 0)
+            self._record(job, "cancelled", 0)
 
     # ---- worker thread -------------------------------------------------------------------------------
 
