@@ -163,9 +163,9 @@ def test_auto_budget_generation_is_exact_and_follows_the_regime(models) -> None:
 def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
     target, draft, _ = models
-    first = cached_cost_model(target, draft, label="test")
+    first = cached_cost_model(target, draft)
     assert set(first.target) >= {1, 1024} and set(first.draft) >= {1, 64}
     assert all(v > 0 for v in [*first.target.values(), *first.draft.values()])
     assert list((tmp_path / "calibration").glob("*.json"))
     monkeypatch.setattr("specexec.budget.calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
-    assert cached_cost_model(target, draft, label="test").target == first.target
+    assert cached_cost_model(target, draft).target == first.target

@@ -15,7 +15,7 @@ EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
@@ -96,8 +96,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specexec", description="Fast LLM generation through speculative decoding.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="specexec", description="Fast LLM generation through speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     gen = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     add_model_args(gen)

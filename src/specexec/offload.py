@@ -45,6 +45,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from specexec.runner import clock
+
 QUANT_CHOICES = ("nf4",)
 ALIGN = 256  # bytes: every tensor in a packed buffer starts at a multiple (vectorised kernels need 16)
 
@@ -621,13 +623,13 @@ class SimulatedOffload:
         self.remove()
 
     def _before(self, module, args) -> None:
-        self._starts.append(_clock(self._device))
+        self._starts.append(clock(self._device))
 
     def _after(self, module, args, output) -> None:
         start = self._starts.pop()
         if self._starts:  # an inner call: the outermost one is charged
             return
-        rest = self.seconds_per_pass - (_clock(self._device) - start)
+        rest = self.seconds_per_pass - (clock(self._device) - start)
         self.calls += 1
         if rest > 0:
             time.sleep(rest)
@@ -830,13 +832,6 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 def _device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _clock(device: torch.device) -> float:
-    """Wall-clock seconds once the device has finished its queued work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

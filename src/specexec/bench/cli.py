@@ -208,15 +208,12 @@ def _run(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     """`specexec bench` without the rest of the CLI: `python -m specexec.bench --prompts ... --out DIR`."""
-    parser = _OneLineParser(prog="specexec")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    from specexec.cli import OneLineParser
+
+    parser = OneLineParser(prog="specexec")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     add_bench_parser(commands)
     args_list = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(["bench", *args_list])
