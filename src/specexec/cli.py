@@ -125,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_args(cal)
 
+    srv = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API (needs specexec[server])")
+    add_model_args(srv)
+    srv.add_argument("--method", choices=METHODS, default="specexec")
+    srv.add_argument(
+        "--budget",
+        type=_budget,
+        default=None,
+        help="draft tokens verified per target pass, or 'auto' (specexec) (default per method)",
+    )
+    srv.add_argument(
+        "--lookahead-schedule", choices=("constant", "heuristic"), default="constant", help="sd only"
+    )
+    from specexec.server import add_serve_arguments
+
+    add_serve_arguments(srv)
+
     from specexec.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
@@ -148,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "serve":
+            from specexec.server import serve
+
+            return serve(args)
         if args.command == "bench":
             from specexec.bench.cli import run_bench
 

@@ -1,8 +1,9 @@
 """Temperature, top-k and top-p, implemented once and shared by every method.
 
 Every acceptance rule compares distributions produced here, so the draft's q and the target's p always
-go through exactly the same processing. Temperature 0 means greedy: the distribution is one-hot on the
-arg-max (first index on exact ties, as `torch.argmax` and Hugging Face `generate` do).
+go through exactly the same processing. Temperature 0 (or below MIN_TEMPERATURE) means greedy: the
+distribution is one-hot on the arg-max (first index on exact ties, as `torch.argmax` and Hugging Face
+`generate` do).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Dividing logits by a vanishing temperature overflows; that limit is the arg-max anyway.
+        return self.temperature < MIN_TEMPERATURE
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

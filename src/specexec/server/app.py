@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -19,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specexec.engine import METHODS, GenerationError
+from specexec.engine import DEFAULT_BUDGETS, METHODS, GenerationError, stream
 from specexec.server.metrics import Metrics
 from specexec.server.queue import GenerationQueue, Job, Params, QueueFull, ShuttingDown, Update, random_seed
 from specexec.server.schemas import (
@@ -47,25 +49,24 @@ def create_app(
     tokenizer,
     *,
     method: str = "specexec",
-    budget: int = 64,
+    budget: int | str | None = None,
     api_key: str | None = None,
     max_queue: int = 16,
     model_name: str = "specexec",
     eos_token_id: list[int] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    engine_options: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """An ASGI app serving `target` (sped up by `draft`) through the OpenAI API.
 
+    `method` and `budget` are `specexec.stream`'s (budget None: the method's default; "auto": sized per
+    step from this pair's calibration, measured here once if not cached); `engine_options` are further
+    `stream` arguments, the same for every request (e.g. ``{"lookahead_schedule": "heuristic"}``).
     One generation runs at a time; at most `max_queue` requests wait behind it, and the next one gets a
     429. With `api_key`, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
     `eos_token_id` defaults to every end-of-sequence id of the model and tokenizer.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method != "ar" and draft is None:
-        raise ValueError(f"method {method!r} needs a draft model")
-    if max_queue < 0:
-        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    engine_options = _check_engine_config(target, draft, method, budget, max_queue, engine_options)
     if eos_token_id is None:
         from specexec.models import eos_token_ids
 
@@ -80,6 +81,7 @@ def create_app(
         eos_token_id=eos_token_id,
         max_queue=max_queue,
         metrics=metrics,
+        engine_options=engine_options,
     )
     text_config = target.config.get_text_config()
     window: int | None = getattr(text_config, "max_position_embeddings", None)
@@ -332,14 +334,14 @@ def create_app(
         check_key(request)
         return {
             "object": "list",
-            "data": [_model_card(model_name, created, window, method)],
+            "data": [_model_card(model_name, created, window, method, budget)],
         }
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str, request: Request) -> dict:
         check_key(request)
         check_model(name)
-        return _model_card(model_name, created, window, method)
+        return _model_card(model_name, created, window, method, budget)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -362,6 +364,37 @@ def create_app(
     app.add_middleware(_Instrument, metrics=metrics)
     app.openapi = _with_schema_defs(app)
     return app
+
+
+def _check_engine_config(target, draft, method, budget, max_queue, engine_options) -> dict:
+    """Refuse a configuration that would fail every request, before serving anything."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "ar" and draft is None:
+        raise ValueError(f"method {method!r} needs a draft model")
+    if max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if budget == "auto" and method != "specexec":
+        raise ValueError(f"budget 'auto' is for method 'specexec', not {method!r}")
+    if budget not in (None, "auto") and (not isinstance(budget, int) or (method != "ar" and budget < 1)):
+        raise ValueError(f"budget must be an integer >= 1, 'auto' or None, got {budget!r}")
+    options = dict(engine_options or {})
+    allowed = set(inspect.signature(stream).parameters) - _PER_REQUEST
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
+    if budget == "auto" and options.get("cost_model") is None:
+        from specexec.budget import cached_cost_model
+
+        options["cost_model"] = cached_cost_model(target, draft)  # calibrates now if not cached
+    return options
+
+
+# What the server sets itself for every request, so not an engine option.
+_PER_REQUEST = {
+    "target", "draft", "input_ids", "method", "budget", "max_new_tokens", "temperature", "top_p", "top_k",
+    "seed", "eos_token_id", "stop_strings", "tokenizer",
+}  # fmt: skip
 
 
 # ---- response shapes ---------------------------------------------------------------------------------
@@ -522,14 +555,14 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
 
 
-def _model_card(name: str, created: int, window: int | None, method: str) -> dict:
+def _model_card(name: str, created: int, window: int | None, method: str, budget) -> dict:
     return {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "specexec",
         "context_window": window,
-        "specexec_method": method,
+        "specexec": {"method": method, "budget": budget if budget is not None else DEFAULT_BUDGETS[method]},
     }
 
 

@@ -53,7 +53,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-name",
         default=None,
-        help="the model id clients send and /v1/models lists (default: --target)",
+        help="the model id clients send and /v1/models lists (default: the --target folder or file name)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -61,7 +61,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Load the pair named by `args`, bind, and serve until interrupted. Returns the exit status."""
+    """Load the pair named by `args`, bind, and serve until interrupted. Returns the exit status.
+
+    `args` carries the CLI's model arguments (`specexec.cli.add_model_args`: --target, --draft, --dtype,
+    offloading), --method, --budget (optionally --lookahead-schedule) and those of `add_serve_arguments`.
+    """
     try:
         import uvicorn
 
@@ -69,10 +73,8 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"specexec: error: the server needs {err.name}: {_INSTALL_HINT}", file=sys.stderr)
         return 1
-    import torch
-
-    from specexec import models
-    from specexec.models import check_same_vocab, eos_token_ids, load_model, load_tokenizer
+    from specexec.cli import load_pair
+    from specexec.models import eos_token_ids
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     log = logging.getLogger("specexec.server")
@@ -80,27 +82,26 @@ def serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     if args.api_key is None and not _is_loopback(args.host):
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    if getattr(args, "dtype", None):
-        dtype = getattr(torch, args.dtype)
-    else:
-        dtype = models.default_dtype() if hasattr(models, "default_dtype") else torch.float32
-    tokenizer = load_tokenizer(args.target)
-    draft = None
-    if args.method != "ar":
-        check_same_vocab(tokenizer, load_tokenizer(args.draft))
-        draft = load_model(args.draft, dtype)
-    target = load_model(args.target, dtype)
-    app = create_app(
-        target,
-        draft,
-        tokenizer,
-        method=args.method,
-        budget=args.budget,
-        api_key=args.api_key or None,
-        max_queue=args.max_queue,
-        model_name=args.model_name or _model_id(args.target),
-        eos_token_id=eos_token_ids(target, tokenizer),
-    )
+    tokenizer, target, draft = load_pair(args, need_draft=args.method != "ar")
+    options = {}
+    if getattr(args, "lookahead_schedule", None) is not None:
+        options["lookahead_schedule"] = args.lookahead_schedule
+    try:
+        app = create_app(
+            target,
+            draft,
+            tokenizer,
+            method=args.method,
+            budget=getattr(args, "budget", None),
+            api_key=args.api_key or None,
+            max_queue=args.max_queue,
+            model_name=args.model_name or _model_id(args.target),
+            eos_token_id=eos_token_ids(target, tokenizer),
+            engine_options=options,
+        )
+    except ValueError as err:
+        print(f"specexec: error: {err}", file=sys.stderr)
+        return 1
     host, port = sock.getsockname()[:2]
     log.info("serving %s (%s) on http://%s:%d/v1", app.state.model_name, args.method, host, port)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)

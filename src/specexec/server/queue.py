@@ -123,10 +123,11 @@ class GenerationQueue:
         tokenizer,
         *,
         method: str,
-        budget: int,
+        budget: int | str | None,
         eos_token_id: list[int] | None,
         max_queue: int,
         metrics: Metrics,
+        engine_options: dict | None = None,
         history: int = 256,
     ) -> None:
         self.target = target
@@ -139,6 +140,7 @@ class GenerationQueue:
             self.tokenizer = tokenizer
         self.method = method
         self.budget = budget
+        self.engine_options = dict(engine_options or {})
         self.eos_token_id = eos_token_id
         self.max_queue = max_queue
         self.metrics = metrics
@@ -270,6 +272,7 @@ class GenerationQueue:
             eos_token_id=self.eos_token_id,
             stop_strings=p.stop,
             tokenizer=self.tokenizer if p.stop else None,
+            **self.engine_options,
         )
         stats: Stats | None = None
         steps = 0
