@@ -25,6 +25,9 @@ from specexec.verify import cache_walk, rejection_walk
 
 HEURISTIC_MAX_LENGTH = 64  # a ceiling for the heuristic schedule, which has none of its own
 METHODS = ("ar", "sd", "dsl", "specinfer", "specexec")
+# Methods whose drafts are sampled from a known q: verified by rejection sampling, which accepts more
+# than the cache walk at temperature > 0 (both are exact; greedy, they are the same rule).
+REJECTION_METHODS = ("sd", "dsl", "specinfer")
 # Draft tokens verified per target pass when `budget` is not given (dsl: the longest draft).
 DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": 20, "specinfer": 32, "specexec": 64}
 
@@ -213,7 +216,7 @@ def stream(
         tree = proposal.tree
         root_slot = committed.numel() - 1
         logits = tree_forward(target_runner, tree, torch.arange(tree.size, device=prompt.device), root_slot)
-        if method in ("sd", "specinfer"):
+        if method in REJECTION_METHODS:
             path, bonus = rejection_walk(tree, logits, proposal.draft_probs, sampling, generator)
         else:
             path, bonus = cache_walk(tree, logits, sampling, generator)

@@ -85,6 +85,9 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.forward_seconds = 0.0  # time inside the model's forward, for the stats' time split
+        # A draft may have fewer embedding rows than the target's vocabulary; the ids it cannot read
+        # only cost it accuracy (the target decides), so they are clamped instead of crashing.
+        self.last_token_id = model.get_input_embeddings().num_embeddings - 1
 
     @property
     def length(self) -> int:
@@ -123,7 +126,7 @@ class ModelRunner:
         self.cache.attend_width = width
         start = clock(self.device)
         out = self.model(
-            input_ids=tokens[None],
+            input_ids=tokens.clamp(max=self.last_token_id)[None],
             position_ids=positions[None],
             attention_mask=self._masks(allowed, positions, width),
             use_cache=True,

@@ -38,8 +38,8 @@ class DraftTree:
         self.tokens[new] = tokens
         self.parents[new] = parents
         self.depths[new] = self.depths[parents] + 1
-        if scores is not None:
-            self.scores[new] = scores
+        self.scores[new] = 0.0 if scores is None else scores
+        self.expanded[new] = False  # the slot may have held a pruned node
         self.ancestors[new, : self.size] = self.ancestors[parents, : self.size]  # rows past size are clear
         self.ancestors[new, new] = True
         self.size += n

@@ -1,0 +1,31 @@
+"""Shared test setup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# The core tests drive tiny models (hidden size 16-48, one or two layers), where a forward is a few small
+# kernels and thread hand-offs dominate: one intra-op thread is several times faster than two, and far
+# faster when other jobs compete for the cores. Other test modules keep torch's default.
+ONE_THREAD_MODULES = {
+    "test_sampling.py",
+    "test_tree.py",
+    "test_runner.py",
+    "test_exactness.py",
+    "test_distribution.py",
+    "test_api.py",
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread(request: pytest.FixtureRequest):
+    if request.path.name not in ONE_THREAD_MODULES:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
