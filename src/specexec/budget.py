@@ -40,7 +40,7 @@ class ConfidenceStop:
 
     def __init__(self, threshold: float = 0.4, adapt: bool = True, window: int = 200, min_samples: int = 6):
         if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"confidence threshold must be in [0, 1], got {threshold}")
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {threshold}")
         self.threshold = threshold
         self.adapt = adapt
         self.min_samples = min_samples

@@ -168,12 +168,11 @@ def stream(
         raise GenerationError(
             f"lookahead_schedule must be 'constant' or 'heuristic', got {lookahead_schedule!r}"
         )
-    if not 0.0 <= confidence_threshold <= 1.0:
-        raise GenerationError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
     if stop_strings and tokenizer is None:
         raise GenerationError("stop_strings need a tokenizer")
     try:
         sampling = SamplingParams(temperature, top_k, top_p)
+        confidence_stop = ConfidenceStop(confidence_threshold, adapt_threshold)
     except ValueError as e:
         raise GenerationError(str(e)) from None
     window = getattr(target.config.get_text_config(), "max_position_embeddings", None)
@@ -188,7 +187,7 @@ def stream(
 
     drafter = _make_drafter(
         method, budget, expand, width, max_rounds, branches, lookahead_schedule,
-        ConfidenceStop(confidence_threshold, adapt_threshold),
+        confidence_stop,
     )  # fmt: skip
     # Committed tokens plus scratch slots for the largest tree a step can build, in both caches.
     capacity = prompt.numel() + max_new_tokens + drafter.max_tree_size

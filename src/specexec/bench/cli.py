@@ -14,8 +14,6 @@ import sys
 
 EXIT_FAILURE = 1
 
-_METHODS_HELP = "ar,sd,specinfer,specexec,hf-assisted,hf-lookup"
-
 
 def _type(parse):
     """Turn a BenchError from `parse` into argparse's one-line usage error."""
@@ -61,6 +59,7 @@ def _int_at_least(minimum: int):
 def add_bench_parser(subcommands) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to an `add_subparsers()` object; returns its parser."""
     from specexec.bench.core import (
+        BENCH_METHODS,
         DEFAULT_BRANCHES,
         DEFAULT_BUDGETS,
         DEFAULT_EXPAND,
@@ -87,8 +86,8 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         type=_type(_methods),
-        default=_methods(_METHODS_HELP),
-        help=f"comma-separated, from {_METHODS_HELP} (default all); ar always runs, as the reference",
+        default=list(BENCH_METHODS),
+        help=f"comma-separated, from {','.join(BENCH_METHODS)} (default all); ar always runs first",
     )
     p.add_argument(
         "--budgets",
