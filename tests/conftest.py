@@ -15,6 +15,8 @@ ONE_THREAD_MODULES = {
     "test_exactness.py",
     "test_distribution.py",
     "test_api.py",
+    "test_quant.py",
+    "test_lookup.py",
 }
 
 

@@ -413,3 +413,68 @@ def test_cli_errors_are_one_line(
     err = capsys.readouterr().err
     assert err.startswith("specexec: error: ") and err.count("\n") == 1 and message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_configs_per_quantization_level_and_ngram() -> None:
+    configs = make_configs(
+        ["specexec", "llamacpp"], [8], quants=["none", "int4"], ngrams=[0, 6], expand=4, width=4
+    )
+    assert [c.label for c in configs] == [
+        "ar",
+        "specexec@8",
+        "specexec@8+ngram6",
+        "llamacpp",
+        "ar/int4",
+        "specexec@8/int4",
+        "specexec@8+ngram6/int4",
+    ]
+    with pytest.raises(BenchError, match="quantization"):
+        BenchConfig("ar", quant="int3")
+    with pytest.raises(BenchError, match="own GGUF"):
+        BenchConfig("llamacpp", quant="int8")
+    with pytest.raises(BenchError, match="takes no ngram"):
+        BenchConfig("sd", 2, ngram=4)
+
+
+class FakeLlamaCpp:
+    """Stands in for `specexec.bench.llamacpp.LlamaCpp`: replays the target's greedy tokens."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def run(self, input_ids, max_new_tokens, seed, eos, **sampling) -> dict:
+        from specexec.engine import generate
+
+        record = generate(self.model, None, input_ids, method="ar", max_new_tokens=max_new_tokens)
+        return {
+            "prompt_tokens": len(input_ids), "new_tokens": len(record.tokens), "tokens": record.tokens,
+            "finish_reason": record.finish_reason, "target_calls": len(record.tokens), "draft_calls": 0,
+            "prefill_seconds": 0.01, "decode_seconds": 0.1, "wall_seconds": 0.11, "draft_seconds": 0.0,
+            "target_seconds": 0.1, "tree_sizes": [0] * len(record.tokens),
+            "tree_depths": [0] * len(record.tokens), "accepted": None, "prefill_timing": "llamacpp",
+            "hf_settings": None,
+        }  # fmt: skip
+
+
+def test_quantized_levels_are_exact_relative_to_their_own_ar(target, draft, tokenizer, prompts) -> None:
+    from specexec.quant import quantize_model
+
+    pair = tuple(quantize_model(copy.deepcopy(m), "int4") for m in (target, draft))
+    configs = make_configs(["specexec", "llamacpp"], [8], quants=["none", "int4"], ngrams=[0, 4], expand=4)
+    result = run_benchmark(
+        target, draft, tokenizer, prompts, configs, max_new_tokens=NEW, warmup_tokens=0, progress=False,
+        quantized={"int4": pair}, llamacpp=FakeLlamaCpp(target),
+    )  # fmt: skip
+    rows = {row["label"]: row for row in result.rows}
+    for row in result.rows:
+        assert row["identical_to_ar"] is True, row["label"]  # ar of its own level
+    assert rows["ar/int4"]["quant"] == "int4" and rows["llamacpp"]["quant"] == "none"
+    assert rows["ar"]["speedup_vs_ar"] == 1.0  # the unquantized ar is the speed reference
+    int4_tokens = [r["tokens"] for r in result.records if r["label"] == "ar/int4"]
+    plain_tokens = [r["tokens"] for r in result.records if r["label"] == "ar"]
+    assert int4_tokens != plain_tokens  # the quantized pair really is another model
+    assert summarize(result.records) == result.rows
+    with pytest.raises(BenchError, match="no int8 model pair"):
+        run_benchmark(target, draft, tokenizer, prompts, [BenchConfig("ar", quant="int8")], progress=False)
+    with pytest.raises(BenchError, match="llama.cpp runner"):
+        run_benchmark(target, draft, tokenizer, prompts, [BenchConfig("llamacpp")], progress=False)

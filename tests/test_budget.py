@@ -11,6 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import specexec
 from specexec.budget import (
     AutoBudget,
+    ChainCostStop,
     ConfidenceStop,
     CostModel,
     HeuristicLookahead,
@@ -96,8 +97,8 @@ def test_adapted_threshold_applies_within_the_same_generation(models) -> None:
     for _ in range(4):
         runner.keep(torch.arange(len(prompt) - 1))
         draft_ = drafter.propose(request)
-        drafter.observe(draft_, accepted=0)  # every first token rejected
-        drafter.observe(draft_, accepted=len(draft_.confidences))
+        drafter.observe(draft_, [])  # every first token rejected
+        drafter.observe(draft_, list(range(1, len(draft_.confidences) + 1)))
     assert stop.threshold != 0.4
 
 
@@ -136,8 +137,21 @@ def test_auto_budget_picks_small_trees_when_verification_cost_grows_and_big_ones
     assert flat_size >= 2 * steep_size
     # One more draft round: worth it when verification is flat and the frontier is likely, not otherwise.
     frontier = scores[:32]
-    assert AutoBudget(FLAT, max_budget=2048).worth_another_round(scores[:64], frontier, 0.2, 0.8)
-    assert not AutoBudget(STEEP).worth_another_round(scores, scores[-32:], 2.0, 0.1)
+    assert AutoBudget(FLAT, max_budget=2048).frontier_size(scores[:64], frontier, 0.2, 0.8) > 0
+    assert AutoBudget(STEEP).frontier_size(scores, scores[-32:], 2.0, 0.1) == 0
+
+
+def test_auto_budget_expands_narrow_when_wide_draft_passes_cost_more() -> None:
+    """A low-bit draft is cheap for a few rows and costs a bfloat16 pass beyond: expand only those few."""
+    target = {1: 0.08, 4: 0.25, 16: 0.27, 64: 0.5}
+    cheap_narrow = CostModel(target, {1: 0.03, 2: 0.045, 3: 0.06, 4: 0.10, 16: 0.11, 64: 0.2})
+    flat_draft = CostModel(target, {1: 0.03, 64: 0.031})
+    ranked = torch.log(torch.tensor([0.9, 0.8, 0.7]))
+    frontier = torch.log(torch.tensor([0.6, 0.5, 0.4] + [0.1] * 29))  # three likely nodes, then a tail
+    narrow = AutoBudget(cheap_narrow).frontier_size(ranked, frontier, 0.05, 0.6)
+    wide = AutoBudget(flat_draft).frontier_size(ranked, frontier, 0.05, 0.6)
+    assert 1 <= narrow <= 3
+    assert wide > 3
 
 
 def test_auto_budget_learns_acceptance_scale() -> None:
@@ -169,3 +183,40 @@ def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) 
     assert list((tmp_path / "calibration").glob("*.json"))
     monkeypatch.setattr("specexec.budget.calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
     assert cached_cost_model(target, draft).target == first.target
+
+
+def chain_length(stop: ChainCostStop, confidence: float, limit: int = 20) -> int:
+    stop.start()
+    for k in range(1, limit + 1):
+        if stop.should_stop(confidence):
+            return k
+    return limit
+
+
+def test_chain_cost_stop_follows_costs_and_confidence() -> None:
+    # A draft token at a third of a decode step and verification flat up to 4 tokens: short chains.
+    cpu = CostModel({1: 0.26, 4: 0.26, 16: 0.29, 64: 0.58}, {1: 0.09, 64: 0.29})
+    assert 2 <= chain_length(ChainCostStop(cpu), 0.9) <= 8
+    assert chain_length(ChainCostStop(cpu), 0.9) > chain_length(ChainCostStop(cpu), 0.5)
+    # Offloaded: a draft token is nearly free next to a 5 s target pass, so a sure draft runs long.
+    assert chain_length(ChainCostStop(FLAT), 0.97) == 20
+    # A draft that turns out to be over-confident (nothing accepted) earns shorter chains.
+    stop = ChainCostStop(cpu)
+    before = chain_length(stop, 0.9)
+    for _ in range(5):
+        chain_length(stop, 0.9)
+        stop.observe(accepted=0)
+    assert chain_length(stop, 0.9) < before
+
+
+def test_dsl_auto_is_exact_and_cuts_chains_by_cost(models) -> None:
+    target, draft, prompt = models
+    reference = target.generate(prompt[None], do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+    depths = {}
+    for name, cost in (("steep", STEEP), ("flat", FLAT)):
+        out = specexec.generate(
+            target, draft, prompt, method="dsl", budget="auto", cost_model=cost, max_new_tokens=48
+        )
+        assert out.tokens == reference
+        depths[name] = max(out.stats.tree_depths)
+    assert depths["flat"] > depths["steep"], depths

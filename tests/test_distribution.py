@@ -32,6 +32,7 @@ from transformers.generation.logits_process import (
 
 import specexec
 from specexec import verify
+from specexec.budget import CostModel
 from specexec.sampling import SamplingParams, probs_from_logits, sample, sample_without_replacement
 from specexec.tree import DraftTree
 
@@ -247,6 +248,13 @@ METHOD_ARGS = {
     "specinfer": dict(method="specinfer", budget=8, branches=4),  # 4 branches, 2 deep
     "specexec": dict(method="specexec", budget=12, expand=4, width=4),  # best-first, 2 levels
     "dsl": dict(method="dsl", budget=2, confidence_threshold=0.05),  # a chain cut where the draft is unsure
+    # Cut by cost as well; flat costs let chains reach the depth limit.
+    "dsl-auto": dict(
+        method="dsl",
+        budget="auto",
+        confidence_threshold=0.05,
+        cost_model=CostModel({1: 1.0, 64: 1.0}, {1: 0.01, 64: 0.01}),
+    ),
 }
 
 
@@ -344,7 +352,7 @@ def test_probs_match_hugging_face_on_the_target(setting: str) -> None:
 
 @pytest.mark.parametrize(
     ("method", "setting"),
-    [*itertools.product(("ar", "sd", "specinfer", "specexec"), SETTINGS), ("dsl", "t1")],
+    [*itertools.product(("ar", "sd", "specinfer", "specexec"), SETTINGS), ("dsl", "t1"), ("dsl-auto", "t1")],
 )
 def test_engine_samples_the_target_distribution(method: str, setting: str) -> None:
     counts, design = engine_run(method, setting)

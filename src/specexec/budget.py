@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specexec.quant import quant_label
 from specexec.runner import ModelRunner, clock
 
 
@@ -150,25 +151,73 @@ class AutoBudget:
         best = int(rates.argmax())
         return best, float(rates[best])
 
-    def worth_another_round(
+    def frontier_size(
         self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_prob: float
-    ) -> bool:
-        """Whether expanding the `frontier` nodes (scores; each child about `child_prob` likely) should
-        raise the rate of the best tree from the `ranked` node scores."""
+    ) -> int:
+        """How many of the `frontier` nodes (scores, best first; each child about `child_prob` likely) the
+        next draft pass should expand to raise the rate of the best tree from the `ranked` node scores
+        most; 0 when no count raises it. The draft's cost per pass decides between narrow and wide."""
         size, rate = self.best_size(ranked, draft_seconds)
         gain = 1 + float(self.node_probs(ranked[:size]).sum())
-        extra = float(self.node_probs(frontier).sum()) * child_prob
-        grown = min(size + len(frontier), self.max_budget)
-        time = draft_seconds + self.cost.draft_seconds(len(frontier)) + float(self.target_table[grown])
-        return (gain + extra) / time > rate
+        counts = torch.arange(1, len(frontier) + 1)  # (F,)
+        extra = self.node_probs(frontier).cumsum(0) * child_prob  # (F,)
+        grown = (size + counts).clamp(max=self.max_budget)
+        pass_seconds = torch.tensor([self.cost.draft_seconds(int(n)) for n in counts])
+        rates = (gain + extra) / (draft_seconds + pass_seconds + self.target_table[grown])  # (F,)
+        best = int(rates.argmax())
+        return best + 1 if float(rates[best]) > rate else 0
 
     def observe(self, verified_scores: torch.Tensor, accepted: int) -> None:
         self.predicted += float(verified_scores.exp().sum())
         self.observed += accepted
 
 
-TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
+class ChainCostStop:
+    """Stop a draft chain where one more token is expected to lower the step's tokens per second.
+
+    Draft token i is accepted, given its predecessors were, with probability about min(1, scale * c_i),
+    c_i being the draft's own probability for it; `scale` is learnt from this generation's verifications
+    as in `AutoBudget`. A chain of k tokens is then worth E(k) = 1 + sum over j <= k of the products, in
+    T(k) = k single-token draft passes + a target pass over k + 1 tokens (the cost model). The next
+    token is expected to be as likely as the last one.
+    """
+
+    def __init__(self, cost: CostModel, prior_weight: float = 4.0) -> None:
+        self.cost = cost
+        self.predicted = prior_weight
+        self.observed = prior_weight
+        self.start()
+
+    def start(self) -> None:
+        """A new chain."""
+        self.length = 0
+        self.path = 1.0  # probability that every draft token so far is accepted
+        self.expected = 1.0  # E(length)
+        self.predictions: list[float] = []
+
+    def should_stop(self, confidence: float) -> bool:
+        """Called after each draft token with the draft's probability for it."""
+        accept = min(1.0, self.observed / self.predicted * confidence)
+        self.path *= accept
+        self.expected += self.path
+        self.predictions.append(self.path)
+        self.length += 1
+        k = self.length
+        rate = self.expected / self._seconds(k)
+        return (self.expected + self.path * accept) / self._seconds(k + 1) <= rate
+
+    def observe(self, accepted: int) -> None:
+        self.predicted += sum(self.predictions)
+        self.observed += accepted
+        self.start()
+
+    def _seconds(self, k: int) -> float:
+        return k * self.cost.draft_seconds(1) + self.cost.target_seconds(k + 1)
+
+
+TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
+DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 
 
 def calibrate(
@@ -227,7 +276,7 @@ def cached_cost_model(
 def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: str) -> Path:
     def describe(model: PreTrainedModel) -> str:
         size = sum(p.numel() for p in model.parameters())
-        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}"
+        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant_label(model)}"
 
     key = "|".join([describe(target), describe(draft), str(torch.get_num_threads()), label])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -38,9 +38,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--target, --draft, --dtype and the offloading flags, shared by every command that loads models."""
+def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) -> None:
+    """--target, --draft, --dtype, --quant and the offloading flags, shared by every command that loads
+    models. With `quant_list`, --quant takes a comma-separated list (the bench runs each level)."""
     from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specexec.quant import QUANT_MODES
 
     parser.add_argument(
         "--target",
@@ -55,6 +57,22 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         choices=("bfloat16", "float32"),
         default=None,
         help="weights in memory (default: bfloat16 where the CPU/GPU computes it natively, else float32)",
+    )
+    quant_help = (
+        "CPU weight-only quantization of target and draft: int8 per channel or int4 per group of 32, on "
+        "PyTorch's low-bit kernels (default none)"
+    )
+    if quant_list:
+        parser.add_argument(
+            "--quant",
+            type=_quant_list,
+            default=["none"],
+            help=quant_help + "; a comma-separated list runs each",
+        )
+    else:
+        parser.add_argument("--quant", choices=QUANT_MODES, default="none", help=quant_help)
+    parser.add_argument(
+        "--draft-quant", choices=QUANT_MODES, default=None, help="the draft's quantization (default: --quant)"
     )
     off = parser.add_argument_group("offloading (target only)")
     off.add_argument(
@@ -87,12 +105,29 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _quant_list(text: str) -> list[str]:
+    from specexec.quant import QUANT_MODES
+
+    levels = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [level for level in levels if level not in QUANT_MODES]
+    if not levels or unknown:
+        raise argparse.ArgumentTypeError(
+            f"invalid quantization {(unknown or [text])[0]!r}; choose from {', '.join(QUANT_MODES)}"
+        )
+    return levels
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """--temperature, --top-p, --top-k, --seed."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
     parser.add_argument("--seed", type=int, default=0)
+
+
+NGRAM_HELP = (
+    "specexec: graft prompt-lookup chains of up to N tokens into each tree, free of draft cost (0 = off)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=_budget,
         default=None,
-        help="draft tokens verified per target pass, or 'auto' (specexec: sized per step from the "
+        help="draft tokens verified per target pass, or 'auto' (specexec, dsl: sized per step from the "
         "calibrated costs) (default per method: "
         + ", ".join(f"{m} {b}" for m, b in DEFAULT_BUDGETS.items() if b)
         + ")",
@@ -114,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--lookahead-schedule", choices=("constant", "heuristic"), default="constant", help="sd only"
     )
+    gen.add_argument("--ngram", type=_non_negative_int, default=0, help=NGRAM_HELP)
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
     add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -132,11 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=_budget,
         default=None,
-        help="draft tokens verified per target pass, or 'auto' (specexec) (default per method)",
+        help="draft tokens verified per target pass, or 'auto' (specexec, dsl) (default per method)",
     )
     srv.add_argument(
         "--lookahead-schedule", choices=("constant", "heuristic"), default="constant", help="sd only"
     )
+    srv.add_argument("--ngram", type=_non_negative_int, default=0, help=NGRAM_HELP)
     from specexec.server import add_serve_arguments
 
     add_serve_arguments(srv)
@@ -158,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
     from specexec.offload import OffloadError
+    from specexec.quant import QuantError
 
     try:
         if args.command == "generate":
@@ -172,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             from specexec.bench.cli import run_bench
 
             return run_bench(args)
-    except (GenerationError, ModelSourceError, OffloadError, OSError) as e:
+    except (GenerationError, ModelSourceError, OffloadError, QuantError, OSError) as e:
         print(f"specexec: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
@@ -181,23 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-def load_pair(args: argparse.Namespace, need_draft: bool):
+def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = None):
     """Tokenizer, target and draft (None unless `need_draft`) as the model arguments ask; the target is
-    offloaded or its offloading simulated if requested (the label is left in `args.simulated`)."""
+    offloaded or its offloading simulated if requested (the label is left in `args.simulated`).
+    `quant` overrides --quant (the bench loads one pair per level)."""
     import torch
 
     from specexec.models import check_same_vocab, default_dtype, load_model, load_tokenizer
 
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype()
+    quant = quant or args.quant
     tokenizer = load_tokenizer(args.target)
     draft = None
     if need_draft:
         check_same_vocab(tokenizer, load_tokenizer(args.draft))
-        draft = load_model(args.draft, dtype)
+        draft = load_model(args.draft, dtype, quant=args.draft_quant or quant)
     offload = None
     if args.offload or args.gpu_memory or args.quant_offload:
         offload = {"ring_size": args.ring_size, "gpu_memory": args.gpu_memory, "codec": args.quant_offload}
-    target = load_model(args.target, dtype, offload=offload)
+    target = load_model(args.target, dtype, offload=offload, quant=quant)
     args.simulated = None
     if args.simulate_offload_gbps is not None:
         from specexec.offload import simulate_offload
@@ -232,6 +272,7 @@ def _generate(args: argparse.Namespace) -> int:
         method=args.method,
         budget=args.budget,
         lookahead_schedule=args.lookahead_schedule,
+        ngram=args.ngram,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

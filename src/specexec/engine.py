@@ -8,7 +8,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specexec.budget import AutoBudget, ConfidenceStop, CostModel, HeuristicLookahead, cached_cost_model
+from specexec.budget import (
+    AutoBudget,
+    ChainCostStop,
+    ConfidenceStop,
+    CostModel,
+    HeuristicLookahead,
+    cached_cost_model,
+)
 from specexec.drafters import (
     BestFirstDrafter,
     ChainDrafter,
@@ -28,6 +35,7 @@ METHODS = ("ar", "sd", "dsl", "specinfer", "specexec")
 # Methods whose drafts are sampled from a known q: verified by rejection sampling, which accepts more
 # than the cache walk at temperature > 0 (both are exact; greedy, they are the same rule).
 REJECTION_METHODS = ("sd", "dsl", "specinfer")
+AUTO_METHODS = ("specexec", "dsl")  # the methods whose budget may be "auto" (sized by the cost model)
 # Draft tokens verified per target pass when `budget` is not given (dsl: the longest draft).
 DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": 20, "specinfer": 32, "specexec": 64}
 
@@ -123,6 +131,7 @@ def stream(
     width: int = 8,
     max_rounds: int = 32,
     branches: int = 4,
+    ngram: int = 0,
     lookahead_schedule: str = "constant",
     confidence_threshold: float = 0.4,
     adapt_threshold: bool = True,
@@ -142,10 +151,12 @@ def stream(
                   at most `budget` tokens;
       "specinfer" `branches` sampled chains, `budget` draft tokens in all, multi-draft rejection;
       "specexec"  a best-first tree of `budget` tokens (`expand` nodes per draft pass, `width` children
-                  per node, at most `max_rounds` draft passes), verified by the cache walk.
+                  per node, at most `max_rounds` draft passes), verified by the cache walk; with
+                  `ngram` > 0, prompt-lookup chains of up to `ngram` tokens are grafted into the tree.
     `budget` defaults to DEFAULT_BUDGETS[method]. For "specexec", budget="auto" sizes every step's tree
     by expected speed, from `cost_model` (by default this pair's calibration, measured on first use and
-    cached) and the acceptances seen so far.
+    cached) and the acceptances seen so far; for "dsl" it also ends each chain where one more token is
+    expected to cost more time than it returns (at most DEFAULT_BUDGETS["dsl"] tokens).
     Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
     (which needs `tokenizer`).
@@ -158,16 +169,25 @@ def stream(
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     budget = DEFAULT_BUDGETS[method] if budget is None else budget
+    cost_stop = None
     if budget == "auto":
-        if method != "specexec":
-            raise GenerationError(f"budget 'auto' is for method 'specexec', not {method!r}")
-        budget = AutoBudget(cost_model or cached_cost_model(target, draft))
+        if method not in AUTO_METHODS:
+            raise GenerationError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
+        cost = cost_model or cached_cost_model(target, draft)
+        if method == "dsl":
+            budget, cost_stop = DEFAULT_BUDGETS["dsl"], ChainCostStop(cost)
+        else:
+            budget = AutoBudget(cost)
     elif not isinstance(budget, int) or (method != "ar" and budget < 1):
         raise GenerationError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
     if lookahead_schedule not in ("constant", "heuristic"):
         raise GenerationError(
             f"lookahead_schedule must be 'constant' or 'heuristic', got {lookahead_schedule!r}"
         )
+    if not isinstance(ngram, int) or ngram < 0:
+        raise GenerationError(f"ngram must be an integer >= 0, got {ngram!r}")
+    if ngram and method != "specexec":
+        raise GenerationError(f"ngram grafting is for method 'specexec', not {method!r}")
     if stop_strings and tokenizer is None:
         raise GenerationError("stop_strings need a tokenizer")
     try:
@@ -186,8 +206,8 @@ def stream(
     vocab_size = target.config.get_text_config().vocab_size
 
     drafter = _make_drafter(
-        method, budget, expand, width, max_rounds, branches, lookahead_schedule,
-        confidence_stop,
+        method, budget, expand, width, max_rounds, branches, ngram, lookahead_schedule,
+        confidence_stop, cost_stop,
     )  # fmt: skip
     # Committed tokens plus scratch slots for the largest tree a step can build, in both caches.
     capacity = prompt.numel() + max_new_tokens + drafter.max_tree_size
@@ -234,7 +254,7 @@ def stream(
         stats.tree_sizes.append(tree.size - 1)
         stats.tree_depths.append(int(tree.depths[: tree.size].max()))
         stats.accepted.append(len(path))
-        drafter.observe(proposal, len(path))
+        drafter.observe(proposal, path)
 
         generated = committed[prompt.numel() :].tolist()
         new, finish = _cut(
@@ -255,8 +275,10 @@ def _make_drafter(
     width: int,
     max_rounds: int,
     branches: int,
+    ngram: int,
     lookahead_schedule: str,
     confidence_stop: ConfidenceStop,
+    cost_stop: ChainCostStop | None,
 ) -> Drafter:
     if method == "ar":
         return NoDrafter()
@@ -265,10 +287,10 @@ def _make_drafter(
         ceiling = max(budget, HEURISTIC_MAX_LENGTH) if schedule else budget
         return ChainDrafter(budget, schedule=schedule, max_length=ceiling)
     if method == "dsl":
-        return ChainDrafter(budget, stop=confidence_stop)
+        return ChainDrafter(budget, stop=confidence_stop, cost_stop=cost_stop)
     if method == "specinfer":
         return SampledTreeDrafter(budget, branches)
-    return BestFirstDrafter(budget, expand, width, max_rounds)
+    return BestFirstDrafter(budget, expand, width, max_rounds, ngram)
 
 
 def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:

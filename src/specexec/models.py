@@ -85,7 +85,7 @@ def default_dtype() -> torch.dtype:
 
 
 def load_model(
-    source: str, dtype: torch.dtype = torch.bfloat16, offload: dict | None = None
+    source: str, dtype: torch.dtype = torch.bfloat16, offload: dict | None = None, quant: str = "none"
 ) -> PreTrainedModel:
     """Load a causal LM in eval mode on the CPU.
 
@@ -93,7 +93,13 @@ def load_model(
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. GGUF sources are converted once into a bf16 cache folder;
     ``dtype`` is only the in-memory dtype. ``offload`` (keyword arguments of
     ``specexec.offload.offload_model``) streams the decoder layers from host memory to the GPU.
+    ``quant`` ("none", "int8", "int4") stores the linear layers in low-bit form for the CPU kernels
+    (``specexec.quant.quantize_model``).
     """
+    from specexec.quant import QuantError, quantize_model
+
+    if quant != "none" and offload is not None:
+        raise QuantError("--quant is for CPU inference; offloading streams NF4 with --quant-offload nf4")
     folder = _local_folder(source)
     _check_model_folder(folder)
     model = AutoModelForCausalLM.from_pretrained(
@@ -108,7 +114,7 @@ def load_model(
 
         offloader = offload_model(model, **offload)  # OffloadError without CUDA
         print(f"[{offloader.describe()}]", file=sys.stderr)
-    return model
+    return quantize_model(model, quant)
 
 
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
@@ -161,6 +167,16 @@ def check_same_vocab(
         f"{target.get(first)!r} in the target but {draft.get(first)!r} in the draft); "
         f"use a draft model that shares the target's tokenizer"
     )
+
+
+def gguf_file(source: str) -> Path:
+    """The GGUF file behind a model source (a packaged name or a ``.gguf`` path), for GGUF runtimes."""
+    if source in _PACKAGED:
+        return _assembled_gguf(source)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    raise ModelSourceError(f"{source!r} is not a GGUF model: pass a .gguf file or one of {_default_names()}")
 
 
 def _local_folder(source: str) -> Path:

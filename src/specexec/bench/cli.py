@@ -42,6 +42,18 @@ def _budgets(text: str) -> list[int]:
     return parse_budgets(text, "budget list")
 
 
+def _ngrams(text: str) -> list[int]:
+    from specexec.bench.core import BenchError
+
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise BenchError(f"--ngram: {text!r} is not a comma-separated list of integers") from None
+    if any(v < 0 for v in values):
+        raise BenchError(f"--ngram: values must be >= 0, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
 def _int_at_least(minimum: int):
     def parse(text: str) -> int:
         try:
@@ -63,6 +75,7 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         DEFAULT_BRANCHES,
         DEFAULT_BUDGETS,
         DEFAULT_EXPAND,
+        DEFAULT_METHODS,
         DEFAULT_SD_BUDGETS,
         DEFAULT_WIDTH,
     )
@@ -77,7 +90,7 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         description="Run every method/budget configuration on the same prompts, interleaved, after a "
         "warm-up; write results.json, results.md, records.jsonl and plots to --out.",
     )
-    add_model_args(p)
+    add_model_args(p, quant_list=True)
     p.add_argument(
         "--prompts", default="humaneval", help="humaneval, mtbench or a JSONL file (default humaneval)"
     )
@@ -86,8 +99,9 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         type=_type(_methods),
-        default=list(BENCH_METHODS),
-        help=f"comma-separated, from {','.join(BENCH_METHODS)} (default all); ar always runs first",
+        default=list(DEFAULT_METHODS),
+        help=f"comma-separated, from {','.join(BENCH_METHODS)} (default all but llamacpp, an optional "
+        "extra); ar always runs first",
     )
     p.add_argument(
         "--budgets",
@@ -113,7 +127,16 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
     p.add_argument(
         "--width", type=_int_at_least(1), default=DEFAULT_WIDTH, help="specexec: children per node"
     )
+    p.add_argument(
+        "--dsl-auto", action="store_true", help="also run dsl@auto (chains cut where they stop paying)"
+    )
     p.add_argument("--branches", type=_int_at_least(1), default=DEFAULT_BRANCHES, help="specinfer: chains")
+    p.add_argument(
+        "--ngram",
+        type=_type(_ngrams),
+        default=[0],
+        help="specexec: prompt-lookup tokens grafted per chain, a comma-separated list (default 0 = off)",
+    )
     add_sampling_args(p)
     p.add_argument(
         "--warmup-tokens",
@@ -132,10 +155,11 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
     from specexec.prompts import PromptSetError
+    from specexec.quant import QuantError
 
     try:
         return _run(args, command or shlex.join(sys.argv))
-    except (BenchError, PromptSetError, GenerationError, ModelSourceError, OSError) as e:
+    except (BenchError, PromptSetError, GenerationError, ModelSourceError, QuantError, OSError) as e:
         print(f"specexec: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
 
@@ -160,13 +184,24 @@ def _run(args: argparse.Namespace, command: str) -> int:
         expand=args.expand,
         width=args.width,
         branches=args.branches,
+        quants=args.quant,
+        ngrams=args.ngram,
+        dsl_auto=args.dsl_auto,
     )
     need_draft = any(c.method in DRAFT_METHODS for c in configs)
     tokenizer = load_tokenizer(args.target)
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
     if not prompts:
         raise BenchError(f"prompt set {args.prompts!r} has no prompts")
-    tokenizer, target, draft = load_pair(args, need_draft)
+    llamacpp = None
+    if "llamacpp" in args.methods:
+        from specexec.bench.llamacpp import LlamaCpp
+        from specexec.models import gguf_file
+
+        longest = max(len(p.input_ids) for p in prompts)
+        llamacpp = LlamaCpp(gguf_file(args.target), context=longest + args.max_new_tokens + 8)
+    tokenizer, target, draft = load_pair(args, need_draft, quant=args.quant[0])
+    quantized = {level: load_pair(args, need_draft, quant=level)[1:] for level in args.quant[1:]}
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = run_benchmark(
@@ -183,6 +218,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         warmup_tokens=args.warmup_tokens,
         progress=not args.no_progress,
         records_path=Path(args.out) / "records.jsonl",  # rewritten in order at the end
+        quantized=quantized,
+        llamacpp=llamacpp,
     )
     machine = machine_info(
         dtype=str(target.dtype).removeprefix("torch."),
@@ -192,6 +229,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         draft=args.draft if need_draft else None,
         prompt_set=args.prompts,
         seed=args.seed,
+        draft_quant=args.draft_quant,
     )
     paths = write_outputs(args.out, result, machine)
     for row in result.rows:

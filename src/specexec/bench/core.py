@@ -7,6 +7,10 @@ Timing protocol (same clock, `specexec.runner.clock`, for every method):
   runs first (or right after a given other one).
 - Seeds: prompt i uses seed `seed + i` in every configuration.
 - `wall_seconds`: the whole call, from request to last token (prefill included).
+- Quantization levels (`quant`): each level is its own loaded pair; ar runs once per level, and identity
+  is judged against the ar of the same level (a quantized model is exact relative to itself).
+- llamacpp: plain decoding of the target's GGUF by llama.cpp (`specexec.bench.llamacpp`); prefill is its
+  eval of the prompt minus the last token, decode is everything after, as for the engine.
 - specexec's own methods (ar, sd, specinfer, specexec): prefill and decode times come from the engine's
   `Stats` (prefill = target and draft forwards over the prompt; decode = everything after).
 - Hugging Face methods (hf-assisted, hf-lookup): target and draft forwards are counted and timed by
@@ -24,22 +28,25 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from specexec.engine import METHODS, generate
+from specexec.engine import AUTO_METHODS, METHODS, generate
 from specexec.models import eos_token_ids
 from specexec.prompts import Prompt
+from specexec.quant import QUANT_MODES, quant_label
 from specexec.runner import clock
 from specexec.sampling import SamplingParams
 
 ENGINE_METHODS = METHODS
 HF_METHODS = ("hf-assisted", "hf-lookup")
-BENCH_METHODS = ENGINE_METHODS + HF_METHODS
+EXTERNAL_METHODS = ("llamacpp",)  # other runtimes, optional extras: never in the default method list
+BENCH_METHODS = ENGINE_METHODS + HF_METHODS + EXTERNAL_METHODS
+DEFAULT_METHODS = ENGINE_METHODS + HF_METHODS
 BUDGET_METHODS = ("sd", "specinfer", "specexec")  # the methods a budget applies to
 DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec", "hf-assisted")
 PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
@@ -60,29 +67,36 @@ class BenchConfig:
     """One configuration: a method and, for the methods that take them, its budget and tree shape."""
 
     method: str
-    budget: int | str | None = None  # "auto": specexec sizes each tree from the calibrated cost model
+    budget: int | str | None = None  # "auto": sized from the calibrated cost model (specexec, dsl)
     expand: int | None = None  # specexec only
     width: int | None = None  # specexec only
     branches: int | None = None  # specinfer only
+    quant: str = "none"  # which loaded pair runs it
+    ngram: int | None = None  # specexec only: prompt-lookup tokens grafted per chain (0 = off)
 
     def __post_init__(self) -> None:
         if self.method not in BENCH_METHODS:
             raise BenchError(f"unknown method {self.method!r}; choose from {', '.join(BENCH_METHODS)}")
-        if self.budget == "auto" and self.method != "specexec":
-            raise BenchError(f"budget 'auto' is for specexec only, not {self.method!r}")
+        if self.quant not in QUANT_MODES:
+            raise BenchError(f"unknown quantization {self.quant!r}; choose from {', '.join(QUANT_MODES)}")
+        if self.method in EXTERNAL_METHODS and self.quant != "none":
+            raise BenchError(f"method {self.method!r} runs its own GGUF weights; it takes no quantization")
+        if self.budget == "auto" and self.method not in AUTO_METHODS:
+            raise BenchError(f"budget 'auto' is for specexec and dsl only, not {self.method!r}")
         if (
             self.method in BUDGET_METHODS
             and self.budget != "auto"
             and (self.budget is None or self.budget < 1)
         ):
             raise BenchError(f"method {self.method!r} needs a budget >= 1, got {self.budget}")
-        if self.method not in BUDGET_METHODS and self.budget is not None:
+        if self.method not in BUDGET_METHODS and self.budget not in (None, "auto"):
             raise BenchError(f"method {self.method!r} takes no budget")
         # Tree shape: the defaults where it applies, nothing where it does not.
         shape = {
             "expand": DEFAULT_EXPAND if self.method == "specexec" else None,
             "width": DEFAULT_WIDTH if self.method == "specexec" else None,
             "branches": DEFAULT_BRANCHES if self.method == "specinfer" else None,
+            "ngram": 0 if self.method == "specexec" else None,
         }
         for name, default in shape.items():
             value = getattr(self, name)
@@ -90,12 +104,14 @@ class BenchConfig:
                 raise BenchError(f"method {self.method!r} takes no {name}")
             if default is not None and value is None:
                 object.__setattr__(self, name, default)
-            elif value is not None and value < 1:
-                raise BenchError(f"{name} must be >= 1, got {value}")
+            elif value is not None and value < (0 if name == "ngram" else 1):
+                raise BenchError(f"{name} must be >= {0 if name == 'ngram' else 1}, got {value}")
 
     @property
     def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method}@{self.budget}"
+        label = self.method if self.budget is None else f"{self.method}@{self.budget}"
+        label += f"+ngram{self.ngram}" if self.ngram else ""
+        return label + (f"/{self.quant}" if self.quant != "none" else "")
 
     def as_dict(self) -> dict:
         return {
@@ -105,6 +121,8 @@ class BenchConfig:
             "expand": self.expand,
             "width": self.width,
             "branches": self.branches,
+            "quant": self.quant,
+            "ngram": self.ngram,
         }
 
 
@@ -149,12 +167,30 @@ def make_configs(
     expand: int = DEFAULT_EXPAND,
     width: int = DEFAULT_WIDTH,
     branches: int = DEFAULT_BRANCHES,
+    quants: Sequence[str] = ("none",),
+    ngrams: Sequence[int] = (0,),
+    dsl_auto: bool = False,
 ) -> list[BenchConfig]:
-    """Expand methods x budgets into configurations; `ar` (the reference) is always included, first.
+    """Expand quantization levels x methods x budgets into configurations; `ar` (the reference) is always
+    included, first in each level.
 
     sd runs once per `sd_budgets` entry (its draft length), specinfer once per `specinfer_budgets` entry
-    (default: `budgets`), specexec once per `budgets` entry; ar, hf-assisted and hf-lookup run once.
+    (default: `budgets`), specexec once per `budgets` x `ngrams` entry; ar, dsl and the HF methods run
+    once per level (dsl also as dsl@auto with `dsl_auto`); llamacpp runs once (its own weights).
     """
+    if not quants or not ngrams:
+        raise BenchError("at least one quantization level and one ngram setting are needed")
+    configs = []
+    for quant in dict.fromkeys(quants):
+        configs += _level_configs(
+            methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_auto
+        )
+    return list(dict.fromkeys(configs))  # llamacpp, the same at every level, once
+
+
+def _level_configs(
+    methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_auto
+) -> list[BenchConfig]:
     methods = list(dict.fromkeys(["ar", *methods]))
     per_method = {
         "sd": sd_budgets,
@@ -166,17 +202,20 @@ def make_configs(
         if method not in BENCH_METHODS:
             raise BenchError(f"unknown method {method!r}; choose from {', '.join(BENCH_METHODS)}")
         if method not in BUDGET_METHODS:
-            configs.append(BenchConfig(method))
+            configs.append(BenchConfig(method, quant="none" if method in EXTERNAL_METHODS else quant))
+            if method == "dsl" and dsl_auto:
+                configs.append(BenchConfig(method, "auto", quant=quant))
             continue
         if not per_method[method]:
             raise BenchError(f"method {method!r} needs at least one budget")
         for budget in per_method[method]:
             if method == "specexec":
-                configs.append(BenchConfig(method, budget, expand=expand, width=width))
+                for n in dict.fromkeys(ngrams):
+                    configs.append(BenchConfig(method, budget, expand, width, quant=quant, ngram=n))
             elif method == "specinfer":
-                configs.append(BenchConfig(method, budget, branches=branches))
+                configs.append(BenchConfig(method, budget, branches=branches, quant=quant))
             else:
-                configs.append(BenchConfig(method, budget))
+                configs.append(BenchConfig(method, budget, quant=quant))
     return configs
 
 
@@ -203,9 +242,13 @@ def run_benchmark(
     eos_token_id: Sequence[int] | None = None,
     progress: bool = True,
     records_path: str | os.PathLike | None = None,
+    quantized: Mapping[str, tuple[PreTrainedModel, PreTrainedModel | None]] | None = None,
+    llamacpp=None,
 ) -> BenchResult:
     """Run every configuration on every prompt (interleaved, after a warm-up) and summarize.
 
+    `target`/`draft` run the configurations of their own quantization level; `quantized` maps the other
+    levels to their pairs. `llamacpp` is a `specexec.bench.llamacpp.LlamaCpp`, for the llamacpp method.
     `eos_token_id` defaults to `eos_token_ids(target, tokenizer)`; the same ids go to every method.
     `warmup_tokens` = 0 skips the warm-up. With `records_path`, each record is also appended to that JSONL
     file as soon as it is measured, so an interrupted run keeps what it measured.
@@ -214,11 +257,15 @@ def run_benchmark(
 
     configs = list(configs)
     prompts = list(prompts)
-    _check(target, draft, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens)
+    pairs = {quant_label(target): (target, draft), **(quantized or {})}
+    _check(pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens)
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
 
     def run(config: BenchConfig, prompt: Prompt, tokens: int, prompt_seed: int) -> dict:
+        if config.method == "llamacpp":
+            return llamacpp.run(prompt.input_ids, tokens, prompt_seed, eos, **sampling)
+        target, draft = pairs[config.quant]
         if config.method in HF_METHODS:
             return _run_hf(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
         return _run_engine(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
@@ -261,11 +308,13 @@ def run_benchmark(
 
 
 def _config_of(record: dict) -> BenchConfig:
-    keys = ("method", "budget", "expand", "width", "branches")
+    keys = ("method", "budget", "expand", "width", "branches", "quant", "ngram")
     return BenchConfig(**{k: record[k] for k in keys})
 
 
-def _check(target, draft, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens) -> None:
+def _check(
+    pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens
+) -> None:
     if not prompts:
         raise BenchError("no prompts to run")
     if not configs:
@@ -282,9 +331,17 @@ def _check(target, draft, prompts, configs, max_new_tokens, temperature, top_p, 
         SamplingParams(temperature, top_k, top_p)
     except ValueError as e:
         raise BenchError(str(e)) from None
-    needs_draft = sorted({c.method for c in configs if c.method in DRAFT_METHODS})
-    if draft is None and needs_draft:
-        raise BenchError(f"method(s) {', '.join(needs_draft)} need a draft model")
+    levels = {c.quant for c in configs if c.method not in EXTERNAL_METHODS}
+    missing = next(iter(sorted(levels - set(pairs))), None)
+    if missing:
+        raise BenchError(f"no {missing} model pair was loaded; loaded: {', '.join(pairs)}")
+    if llamacpp is None and any(c.method == "llamacpp" for c in configs):
+        raise BenchError("method 'llamacpp' needs a llama.cpp runner (specexec.bench.llamacpp.LlamaCpp)")
+    for quant, (_, draft) in pairs.items():
+        needs_draft = sorted({c.method for c in configs if c.method in DRAFT_METHODS and c.quant == quant})
+        if draft is None and needs_draft:
+            raise BenchError(f"method(s) {', '.join(needs_draft)} need a draft model")
+    target = next(iter(pairs.values()))[0]
     empty = [p.id for p in prompts if not p.input_ids]
     if empty:
         raise BenchError(f"prompt {empty[0]} has no tokens")
@@ -312,7 +369,7 @@ def _run_engine(
 ) -> dict:
     shape = {}
     if config.method == "specexec":
-        shape = {"expand": config.expand, "width": config.width}
+        shape = {"expand": config.expand, "width": config.width, "ngram": config.ngram}
     elif config.method == "specinfer":
         shape = {"branches": config.branches}
     start = clock(target.device)

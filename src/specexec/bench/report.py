@@ -6,12 +6,14 @@ Metric definitions (per configuration, summed over prompts, warm-up excluded):
   excluded (total over total); tokens_per_step_mean is the mean of the per-prompt ratios.
 - tok_per_s: new tokens / decode seconds (decoding only, prefill excluded).
 - tok_per_s_with_prefill: new tokens / wall seconds of the whole calls (request to last token).
-- speedup_vs_ar: tok_per_s / tok_per_s of `ar` in the same run (speedup_vs_ar_with_prefill likewise).
+- speedup_vs_ar: tok_per_s / tok_per_s of `ar` in the same run (speedup_vs_ar_with_prefill likewise):
+  the unquantized ar when it ran, else the first ar row.
 - draft/target/overhead seconds: inside the draft's forwards, inside the target's forwards, and the rest
   of the decode time; *_share are fractions of decode_seconds.
 - mean_tree_size / mean_tree_depth: draft tokens verified per target forward and the depth of that
   tree, averaged over all steps of all prompts (chains for sd and the HF methods: depth = size).
-- identical_to_ar (greedy only, else null): every prompt's output equals ar's, token for token.
+- identical_to_ar (greedy only, else null): every prompt's output equals ar's, token for token; ar of
+  the same quantization level (llamacpp: the unquantized ar).
   identical_prompts_fraction: the fraction of prompts whose output equals ar's.
   matching_prefix_fraction: per prompt, the length of the common prefix of the two outputs divided by
   the longer output's length (1 only when identical), averaged over prompts. In float32 greedy all three
@@ -42,7 +44,7 @@ _SUMS = (
     "draft_seconds",
     "target_seconds",
 )
-_CONFIG_KEYS = ("label", "method", "budget", "expand", "width", "branches")
+_CONFIG_KEYS = ("label", "method", "budget", "expand", "width", "branches", "quant", "ngram")
 _SETTING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 
@@ -51,9 +53,13 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     groups: dict[str, list[dict]] = {}
     for record in records:
         groups.setdefault(record["label"], []).append(record)
-    reference = {r["prompt_index"]: r["tokens"] for r in groups.get("ar", [])}
-    rows = [_row(group, reference) for group in groups.values()]
-    ar = next((row for row in rows if row["label"] == "ar"), None)
+    references: dict[str, dict[int, list[int]]] = {}  # per quantization level: ar's tokens per prompt
+    for record in records:
+        if record["method"] == "ar":
+            references.setdefault(record.get("quant", "none"), {})[record["prompt_index"]] = record["tokens"]
+    rows = [_row(group, references.get(group[0].get("quant", "none"), {})) for group in groups.values()]
+    ars = [row for row in rows if row["method"] == "ar"]
+    ar = next((row for row in ars if row["quant"] == "none"), ars[0] if ars else None)
     for row in rows:
         for key, base in (
             ("speedup_vs_ar", "tok_per_s"),
@@ -65,7 +71,8 @@ def summarize(records: Sequence[dict]) -> list[dict]:
 
 def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
     first = group[0]
-    row: dict = {k: first[k] for k in _CONFIG_KEYS + _SETTING_KEYS}
+    row: dict = {k: first.get(k) for k in _CONFIG_KEYS + _SETTING_KEYS}
+    row["quant"] = row["quant"] or "none"
     row["prompts"] = len(group)
     for key in _SUMS:
         row[key] = sum(r[key] for r in group)
@@ -125,6 +132,7 @@ def machine_info(
     prompt_set: str | None = None,
     seed: int | None = None,
     simulated_offload: str | None = None,
+    draft_quant: str | None = None,
 ) -> dict:
     """Where and how the numbers were measured (`simulated_offload` labels simulated target timings)."""
     import torch
@@ -152,6 +160,7 @@ def machine_info(
         "draft": draft,
         "prompt_set": prompt_set,
         "simulated_offload": simulated_offload,
+        "draft_quant": draft_quant,
         "seed": seed,
     }
 

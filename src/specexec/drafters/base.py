@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,6 +22,7 @@ class Draft:
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     draft_calls: int = 0
     confidences: list[float] = field(default_factory=list)  # a chain's own token probabilities, in order
+    grafted: int = 0  # the tree's last `grafted` nodes are prompt-lookup guesses, not draft samples
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Drafter(Protocol):
 
     def propose(self, request: DraftRequest) -> Draft: ...
 
-    def observe(self, draft: Draft, accepted: int) -> None: ...
+    def observe(self, draft: Draft, path: Sequence[int]) -> None: ...
 
 
 class DrafterBase:
@@ -49,8 +51,8 @@ class DrafterBase:
 
     max_tree_size: int
 
-    def observe(self, draft: Draft, accepted: int) -> None:
-        """Called after each verification with the number of draft tokens accepted."""
+    def observe(self, draft: Draft, path: Sequence[int]) -> None:
+        """Called after each verification with the accepted tree nodes, root excluded, in order."""
 
 
 class TreeDraftRunner:

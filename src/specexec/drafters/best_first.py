@@ -4,22 +4,34 @@ Each round runs one draft forward over the `expand` best unexpanded nodes, adds 
 probable children scored by cumulative draft log-probability, and keeps the `budget` best nodes. A child
 never scores above its parent, and ties are broken towards the shallower node, so "the best B nodes" is
 always ancestor-closed: pruning never orphans a node.
+
+With `ngram` > 0, prompt-lookup chains of up to `ngram` tokens are grafted at no draft cost below the root
+and below the best leaf once the tree is final (`specexec.drafters.lookup`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from specexec.budget import AutoBudget
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
+from specexec.drafters.lookup import graft_chain, ngram_continuation
 from specexec.tree import DraftTree
 
 
 class BestFirstDrafter(DrafterBase):
-    """`budget` is a node count, or an `AutoBudget` that sizes each step's tree by expected speed."""
+    """`budget` is a node count, or an `AutoBudget` that sizes each step's tree, and how many nodes each
+    draft pass expands (at most `expand`), by expected speed."""
 
     def __init__(
-        self, budget: int | AutoBudget, expand: int = 32, width: int = 8, max_rounds: int = 32
+        self,
+        budget: int | AutoBudget,
+        expand: int = 32,
+        width: int = 8,
+        max_rounds: int = 32,
+        ngram: int = 0,
     ) -> None:
         self.policy = budget if isinstance(budget, AutoBudget) else None
         budget = self.policy.max_budget if self.policy else budget
@@ -27,7 +39,8 @@ class BestFirstDrafter(DrafterBase):
         self.expand = max(1, min(expand, budget))
         self.width = max(1, min(width, budget))
         self.max_rounds = max_rounds
-        self.max_tree_size = budget + 1 + self.expand * self.width
+        self.ngram = ngram
+        self.max_tree_size = budget + 1 + self.expand * self.width + 2 * ngram
 
     def propose(self, request: DraftRequest) -> Draft:
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
@@ -59,20 +72,40 @@ class BestFirstDrafter(DrafterBase):
                 candidates = candidates[tree.scores[candidates] > worst]
             if not candidates.numel():
                 break
-            frontier = candidates[: self.expand].sort().values
-            if self.policy and not self.policy.worth_another_round(
-                tree.scores[self._ranked(tree)], tree.scores[frontier], draft_seconds, child_prob
-            ):
-                break
+            frontier = candidates[: self.expand]
+            if self.policy:
+                count = self.policy.frontier_size(
+                    tree.scores[self._ranked(tree)], tree.scores[frontier], draft_seconds, child_prob
+                )
+                if not count:
+                    break
+                frontier = frontier[:count]
+            frontier = frontier.sort().values
         if self.policy:
             ranked = self._ranked(tree)
             size, _ = self.policy.best_size(tree.scores[ranked], draft_seconds)
             steps.keep_nodes(torch.cat([ranked.new_zeros(1), ranked[:size].sort().values]))
-        return Draft(tree, draft_calls=steps.calls)
+        drafted = tree.size
+        if self.ngram:
+            self._graft(tree, request)
+        return Draft(tree, draft_calls=steps.calls, grafted=tree.size - drafted)
 
-    def observe(self, draft: Draft, accepted: int) -> None:
+    def _graft(self, tree: DraftTree, request: DraftRequest) -> None:
+        """Prompt-lookup chains below the root and below the best leaf (the deepest on ties)."""
+        leaves = torch.arange(tree.size, device=tree.tokens.device)
+        leaves = leaves[~torch.isin(leaves, tree.parents[: tree.size])]
+        best = leaves[torch.argsort(tree.depths[leaves], descending=True, stable=True)]
+        best = int(best[torch.argmax(tree.scores[best])])
+        for anchor in dict.fromkeys((0, best)):
+            context = torch.cat([request.committed, tree.tokens[tree.path_to(anchor)]])
+            chain = ngram_continuation(context, self.ngram)
+            graft_chain(tree, anchor, chain, request.max_depth, request.eos_token_ids)
+
+    def observe(self, draft: Draft, path: Sequence[int]) -> None:
         if self.policy:
-            self.policy.observe(draft.tree.scores[1 : draft.tree.size], accepted)
+            drafted = draft.tree.size - draft.grafted  # grafted guesses carry no draft probability
+            accepted = sum(node < drafted for node in path)
+            self.policy.observe(draft.tree.scores[1:drafted], accepted)
 
     @staticmethod
     def _ranked(tree: DraftTree, among: torch.Tensor | None = None) -> torch.Tensor:

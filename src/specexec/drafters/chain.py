@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from specexec.budget import ConfidenceStop, HeuristicLookahead
+from specexec.budget import ChainCostStop, ConfidenceStop, HeuristicLookahead
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
 from specexec.sampling import probs_from_logits, sample
 from specexec.tree import DraftTree
@@ -13,7 +15,8 @@ from specexec.tree import DraftTree
 class ChainDrafter(DrafterBase):
     """Up to `length` draft tokens, one draft forward each.
 
-    `schedule` adapts the length between steps; `stop` ends a draft early when the draft is unsure.
+    `schedule` adapts the length between steps; `stop` ends a draft early when the draft is unsure;
+    `cost_stop` ends it where one more token is expected to cost more time than it returns.
     """
 
     def __init__(
@@ -22,10 +25,12 @@ class ChainDrafter(DrafterBase):
         schedule: HeuristicLookahead | None = None,
         stop: ConfidenceStop | None = None,
         max_length: int | None = None,
+        cost_stop: ChainCostStop | None = None,
     ) -> None:
         self.length = length
         self.schedule = schedule
         self.stop = stop
+        self.cost_stop = cost_stop
         # A heuristic schedule has no ceiling of its own; the cache needs one.
         self.max_length = max_length or length
         self.max_tree_size = self.max_length + 1
@@ -44,18 +49,24 @@ class ChainDrafter(DrafterBase):
             draft.draft_probs[int(node)] = q[0]
             token = sample(q, request.generator)  # (1,)
             node = tree.add(node, token)
-            if self.stop is not None:
+            if self.stop is not None or self.cost_stop is not None:
                 # Under greedy decoding q is one-hot; the draft's own softmax says how sure it is.
                 confidence = torch.softmax(logits[0], -1) if request.sampling.greedy else q[0]
                 draft.confidences.append(float(confidence[token]))
-                if self.stop.should_stop(draft.confidences[-1]):
+                stop = self.stop is not None and self.stop.should_stop(draft.confidences[-1])
+                if self.cost_stop is not None and self.cost_stop.should_stop(draft.confidences[-1]):
+                    stop = True
+                if stop:
                     break
         draft.draft_calls = steps.calls
         return draft
 
-    def observe(self, draft: Draft, accepted: int) -> None:
+    def observe(self, draft: Draft, path: Sequence[int]) -> None:
+        accepted = len(path)
         if self.schedule is not None:
             self.schedule.observe(draft.tree.size - 1, accepted)
             self.schedule.length = min(self.schedule.length, self.max_length)
         if self.stop is not None:
             self.stop.observe(draft.confidences, accepted)
+        if self.cost_stop is not None:
+            self.cost_stop.observe(accepted)

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specexec.engine import DEFAULT_BUDGETS, METHODS, GenerationError, stream
+from specexec.engine import AUTO_METHODS, DEFAULT_BUDGETS, METHODS, GenerationError, stream
 from specexec.server.metrics import Metrics
 from specexec.server.queue import GenerationQueue, Job, Params, QueueFull, ShuttingDown, Update, random_seed
 from specexec.server.schemas import (
@@ -374,8 +374,8 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
         raise ValueError(f"method {method!r} needs a draft model")
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-    if budget == "auto" and method != "specexec":
-        raise ValueError(f"budget 'auto' is for method 'specexec', not {method!r}")
+    if budget == "auto" and method not in AUTO_METHODS:
+        raise ValueError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
     if budget not in (None, "auto") and (not isinstance(budget, int) or (method != "ar" and budget < 1)):
         raise ValueError(f"budget must be an integer >= 1, 'auto' or None, got {budget!r}")
     options = dict(engine_options or {})

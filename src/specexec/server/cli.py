@@ -86,6 +86,8 @@ def serve(args: argparse.Namespace) -> int:
     options = {}
     if getattr(args, "lookahead_schedule", None) is not None:
         options["lookahead_schedule"] = args.lookahead_schedule
+    if getattr(args, "ngram", 0):
+        options["ngram"] = args.ngram
     try:
         app = create_app(
             target,

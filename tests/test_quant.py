@@ -1,0 +1,150 @@
+"""Weight-only int8/int4 quantization: the kernels compute the dequantized model, and every method is exact
+relative to the quantized target's own greedy decoding and sampling distribution."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny_models import chi2_pvalue, hf_greedy, perturbed, tiny_model
+from torch import nn
+
+import specexec
+from specexec.budget import CostModel
+from specexec.quant import LOW_BIT_MAX_ROWS, QuantError, QuantLinear, quant_label, quantize_model
+from specexec.sampling import SamplingParams, probs_from_logits
+
+# int4 needs in_features % 32 == 0 and out_features % 16 == 0: hidden 64, vocab 96 fit.
+SHAPE = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2)
+PROMPT = [3, 17, 42, 5, 9, 11, 60, 2, 17, 42]
+NEW = 48
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_computes_its_dequantized_weights(bits: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 96, bias=True).to(dtype).requires_grad_(False)
+    quant = QuantLinear(linear, bits)
+    error = (
+        quant.dequantized.float() - linear.weight.float()
+    ).abs().max() / linear.weight.float().abs().max()
+    assert 0 < float(error) < (0.01 if bits == 8 else 0.1)  # it is quantized, and not garbage
+    for rows in (1, LOW_BIT_MAX_ROWS, LOW_BIT_MAX_ROWS + 1, 17):  # the low-bit kernel, then the dense path
+        x = torch.randn(2, rows, 128, dtype=dtype) if rows > 1 else torch.randn(1, 1, 128, dtype=dtype)
+        expected = x.float() @ quant.dequantized.float().t() + linear.bias.float()
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(quant(x).float(), expected, atol=tolerance * 10, rtol=tolerance)
+
+
+def test_quantize_model_replaces_linears_and_the_head() -> None:
+    model = tiny_model("qwen2", seed=0, **SHAPE)
+    with torch.inference_mode():
+        before = model(torch.tensor([PROMPT])).logits
+    quantize_model(model, "int4")
+    assert quant_label(model) == "int4"
+    assert isinstance(model.get_output_embeddings(), QuantLinear)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    with torch.inference_mode():
+        after = model(torch.tensor([PROMPT])).logits
+    assert 0 < float((after - before).abs().max()) < float(before.abs().max())
+    with pytest.raises(QuantError, match="already quantized"):
+        quantize_model(model, "int8")
+    with pytest.raises(QuantError, match="unknown quantization"):
+        quantize_model(tiny_model("qwen2", seed=0, **SHAPE), "int3")
+    assert quantize_model(plain := tiny_model("qwen2", seed=0, **SHAPE), "none") is plain
+    assert quant_label(plain) == "none"
+
+
+def test_int4_falls_back_to_int8_where_the_kernel_cannot_take_the_shape() -> None:
+    model = quantize_model(tiny_model("llama", seed=0, vocab_size=90, hidden_size=64), "int4")
+    head = model.get_output_embeddings()
+    assert head.bits == 8  # 90 output rows: not a multiple of 16
+    assert model.model.layers[0].mlp.up_proj.bits == 4
+
+
+@functools.cache
+def quantized_pair(arch: str, mode: str):
+    target = quantize_model(tiny_model(arch, seed=0, **SHAPE), mode)
+    draft = perturbed(tiny_model(arch, seed=0, **SHAPE), 0.02)
+    return target, quantize_model(draft, mode)
+
+
+CASES = {
+    "ar": dict(method="ar"),
+    "sd": dict(method="sd", budget=4),
+    "dsl": dict(method="dsl"),
+    "specinfer": dict(method="specinfer", budget=16),
+    "specexec": dict(method="specexec", budget=32),
+    "specexec-narrow": dict(method="specexec", budget=32, expand=2),
+    "specexec-ngram": dict(method="specexec", budget=8, ngram=6),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_is_the_quantized_targets_own_greedy(arch: str, mode: str, case: str) -> None:
+    target, draft = quantized_pair(arch, mode)
+    out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, eos_token_id=[], **CASES[case])
+    assert out.tokens == hf_greedy(target, PROMPT, NEW)
+    if case != "ar":
+        assert out.stats.tokens_per_step > 1.5  # the draft is used
+
+
+def test_auto_budget_on_quantized_models_is_exact() -> None:
+    target, draft = quantized_pair("llama", "int4")
+    cost = CostModel({1: 0.02, 3: 0.03, 4: 0.06, 64: 0.08}, {1: 0.005, 3: 0.008, 4: 0.02, 64: 0.03})
+    out = specexec.generate(
+        target, draft, PROMPT, method="specexec", budget="auto", cost_model=cost, max_new_tokens=NEW
+    )
+    assert out.tokens == hf_greedy(target, PROMPT, NEW)
+
+
+# -- sampling: the quantized engine draws from the quantized target's distribution --------------------------
+
+P_THRESHOLD = 1e-4  # as in test_distribution
+V = 16
+SMALL = dict(vocab_size=V, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+SAMPLE_PROMPT = [3]
+DRAWS = 1_200
+
+
+@functools.cache
+def sampling_models():
+    target = tiny_model("llama", seed=0, init_range=0.2, **SMALL)
+    draft = tiny_model("llama", seed=7, init_range=0.6, **SMALL)
+    plain_target = tiny_model("llama", seed=0, init_range=0.2, **SMALL)
+    return quantize_model(target, "int4"), quantize_model(draft, "int4"), plain_target
+
+
+def exact_joint(model) -> torch.Tensor:
+    """P(x1, x2) of `model` at temperature 1, (V, V), by enumeration."""
+    params = SamplingParams(1.0)
+    with torch.inference_mode():
+        logits = model(torch.tensor([SAMPLE_PROMPT + [a] for a in range(V)])).logits  # (V, 2, V)
+    p1 = probs_from_logits(logits[0, 0], params)  # (V,)
+    return p1[:, None] * probs_from_logits(logits[:, 1], params)
+
+
+@functools.cache
+def sampled_counts(method: str) -> torch.Tensor:
+    target, draft, _ = sampling_models()
+    args = {"sd": dict(budget=1), "specexec": dict(budget=6, expand=2, width=3)}[method]
+    counts = torch.zeros(V, V)
+    for i in range(DRAWS):
+        out = specexec.generate(
+            target, draft, SAMPLE_PROMPT, method=method, max_new_tokens=2, temperature=1.0, seed=i, **args
+        )
+        counts[tuple(out.tokens)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("method", ["sd", "specexec"])
+def test_quantized_sampling_matches_the_quantized_target(method: str) -> None:
+    target, _, plain = sampling_models()
+    counts = sampled_counts(method)
+    assert chi2_pvalue(counts, exact_joint(target)) > P_THRESHOLD
+    # Negative control: the same draws are recognisably not the unquantized model's distribution.
+    assert chi2_pvalue(counts, exact_joint(plain)) < P_THRESHOLD
