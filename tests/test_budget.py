@@ -10,6 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import specexec
 from specexec.budget import (
+    AcceptanceModel,
     AutoBudget,
     ChainCostStop,
     ConfidenceStop,
@@ -21,6 +22,7 @@ from specexec.budget import (
 from specexec.drafters import ChainDrafter, DraftRequest
 from specexec.runner import ModelRunner
 from specexec.sampling import SamplingParams
+from specexec.tree import DraftTree
 
 # CPU, model in memory: verifying 64 tokens costs 2.2x one token (anchors.md, transformers bf16).
 STEEP = CostModel({1: 0.26, 4: 0.26, 16: 0.29, 64: 0.58, 256: 1.03}, {1: 0.09, 4: 0.10, 16: 0.14, 64: 0.29})
@@ -130,15 +132,14 @@ def test_cost_model_interpolates_extrapolates_and_round_trips() -> None:
 
 
 def test_auto_budget_picks_small_trees_when_verification_cost_grows_and_big_ones_when_flat() -> None:
-    scores = torch.arange(1, 1001) * torch.log(torch.tensor(0.97))  # best-first draft path log-probabilities
-    steep_size, _ = AutoBudget(STEEP).best_size(scores, draft_seconds=0.5)
-    flat_size, _ = AutoBudget(FLAT, max_budget=2048).best_size(scores, draft_seconds=0.5)
+    probs = torch.tensor(0.97) ** torch.arange(1, 1001)  # best-first acceptance probabilities of the nodes
+    steep_size, _ = AutoBudget(STEEP).best_size(probs, draft_seconds=0.5)
+    flat_size, _ = AutoBudget(FLAT, max_budget=2048).best_size(probs, draft_seconds=0.5)
     assert 16 <= steep_size <= 128
     assert flat_size >= 2 * steep_size
     # One more draft round: worth it when verification is flat and the frontier is likely, not otherwise.
-    frontier = scores[:32]
-    assert AutoBudget(FLAT, max_budget=2048).frontier_size(scores[:64], frontier, 0.2, 0.8) > 0
-    assert AutoBudget(STEEP).frontier_size(scores, scores[-32:], 2.0, 0.1) == 0
+    assert AutoBudget(FLAT, max_budget=2048).frontier_size(probs[:64], probs[:32], 0.2, 0.8) > 0
+    assert AutoBudget(STEEP).frontier_size(probs, probs[-32:], 2.0, 0.1) == 0
 
 
 def test_auto_budget_expands_narrow_when_wide_draft_passes_cost_more() -> None:
@@ -146,19 +147,33 @@ def test_auto_budget_expands_narrow_when_wide_draft_passes_cost_more() -> None:
     target = {1: 0.08, 4: 0.25, 16: 0.27, 64: 0.5}
     cheap_narrow = CostModel(target, {1: 0.03, 2: 0.045, 3: 0.06, 4: 0.10, 16: 0.11, 64: 0.2})
     flat_draft = CostModel(target, {1: 0.03, 64: 0.031})
-    ranked = torch.log(torch.tensor([0.9, 0.8, 0.7]))
-    frontier = torch.log(torch.tensor([0.6, 0.5, 0.4] + [0.1] * 29))  # three likely nodes, then a tail
+    ranked = torch.tensor([0.9, 0.8, 0.7])
+    frontier = torch.tensor([0.6, 0.5, 0.4] + [0.1] * 29)  # three likely nodes, then a tail
     narrow = AutoBudget(cheap_narrow).frontier_size(ranked, frontier, 0.05, 0.6)
     wide = AutoBudget(flat_draft).frontier_size(ranked, frontier, 0.05, 0.6)
     assert 1 <= narrow <= 3
     assert wide > 3
 
 
-def test_auto_budget_learns_acceptance_scale() -> None:
-    policy = AutoBudget(STEEP, prior_weight=1.0)
-    policy.observe(torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5])), accepted=0)  # predicted 2, none accepted
-    assert policy.scale == pytest.approx(1 / 3)
-    assert float(policy.node_probs(torch.zeros(1))) == pytest.approx(1 / 3)
+def test_acceptance_model_learns_conditional_rates() -> None:
+    model = AcceptanceModel(prior_weight=2.0)
+    assert float(model(torch.tensor([0.55]))) == pytest.approx(0.55)  # the prior: trust the draft
+    model.observe(torch.full((8,), 0.55), torch.ones(8, dtype=torch.bool))  # under-confident draft
+    assert float(model(torch.tensor([0.51]))) == pytest.approx((8 + 1.1) / 10)
+    assert float(model(torch.tensor([0.95]))) == pytest.approx(0.95)  # other bins untouched
+
+
+def test_auto_budget_labels_the_children_of_accepted_nodes_and_multiplies_rates() -> None:
+    # root -> a (0.8) -> c (0.5); root -> b (0.23). Path: a. Tried: a, b (root's children), c (a's child).
+    tree = DraftTree(0, 8)
+    a, b = tree.add(torch.tensor([0, 0]), torch.tensor([1, 2]), torch.log(torch.tensor([0.8, 0.23])))
+    (c,) = tree.add(a[None], torch.tensor([3]), torch.log(torch.tensor([0.8 * 0.5])))
+    policy = AutoBudget(STEEP)
+    probs = policy.node_probs(tree)
+    assert probs.tolist() == pytest.approx([1.0, 0.85, 0.25, 0.85 * 0.55])  # bin middles: the prior
+    policy.observe(tree, [int(a)], drafted=tree.size)
+    rates = policy.acceptance(torch.tensor([0.8, 0.23, 0.5]))
+    assert rates.tolist() == pytest.approx([(1.7 + 1) / 3, 0.5 / 3, 1.1 / 3])
 
 
 def test_auto_budget_generation_is_exact_and_follows_the_regime(models) -> None:
@@ -205,7 +220,7 @@ def test_chain_cost_stop_follows_costs_and_confidence() -> None:
     before = chain_length(stop, 0.9)
     for _ in range(5):
         chain_length(stop, 0.9)
-        stop.observe(accepted=0)
+        stop.observe([0.9, 0.9], accepted=0)
     assert chain_length(stop, 0.9) < before
 
 
@@ -220,3 +235,40 @@ def test_dsl_auto_is_exact_and_cuts_chains_by_cost(models) -> None:
         assert out.tokens == reference
         depths[name] = max(out.stats.tree_depths)
     assert depths["flat"] > depths["steep"], depths
+
+
+def test_calibration_curves_are_made_non_decreasing() -> None:
+    from specexec.budget import non_decreasing
+
+    assert non_decreasing({1: 0.137, 2: 0.131, 4: 0.115, 8: 0.094, 16: 0.2}) == pytest.approx(
+        {1: 0.11925, 2: 0.11925, 4: 0.11925, 8: 0.11925, 16: 0.2}
+    )
+    assert non_decreasing({1: 1.0, 2: 2.0, 3: 3.0}) == {1: 1.0, 2: 2.0, 3: 3.0}
+
+
+def test_speculation_gate_pauses_drafting_that_loses_and_backs_off() -> None:
+    from specexec.budget import SpeculationGate
+
+    gate = SpeculationGate(CostModel({1: 0.1, 64: 0.2}, {1: 0.05, 64: 0.1}), window=2, pause=2)
+    for _ in range(2):
+        assert gate.allows()
+        gate.record(tokens=1, seconds=0.15)  # 6.7 tok/s drafted < 10 tok/s plain
+    assert [gate.allows() for _ in range(3)] == [False, False, True]
+    gate.record(1, 0.15)
+    gate.record(1, 0.15)
+    assert [gate.allows() for _ in range(5)] == [False] * 4 + [True]  # the pause doubled
+    gate.record(3, 0.15)
+    gate.record(3, 0.15)  # 20 tok/s: drafting pays again
+    assert gate.allows() and gate.pause == 2
+
+
+def test_auto_methods_stop_drafting_where_it_cannot_pay_and_stay_exact(models) -> None:
+    target, draft, prompt = models
+    reference = target.generate(prompt[None], do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+    hopeless = CostModel({1: 0.01, 64: 0.5}, {1: 0.5, 64: 1.0})  # a draft pass costs 50 target passes
+    for method in ("specexec", "dsl"):
+        out = specexec.generate(
+            target, draft, prompt, method=method, budget="auto", cost_model=hopeless, max_new_tokens=48
+        )
+        assert out.tokens == reference
+        assert out.stats.tree_sizes.count(0) >= len(out.stats.tree_sizes) / 2, (method, out.stats.tree_sizes)

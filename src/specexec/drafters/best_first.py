@@ -40,6 +40,7 @@ class BestFirstDrafter(DrafterBase):
         self.width = max(1, min(width, budget))
         self.max_rounds = max_rounds
         self.ngram = ngram
+        self.last_seconds = 0.0  # the auto budget's estimate of the last step's time
         self.max_tree_size = budget + 1 + self.expand * self.width + 2 * ngram
 
     def propose(self, request: DraftRequest) -> Draft:
@@ -47,13 +48,15 @@ class BestFirstDrafter(DrafterBase):
         steps = TreeDraftRunner(request, tree)
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         draft_seconds = 0.0  # the cost model's estimate, for the auto budget
-        for round_ in range(self.max_rounds if request.max_depth >= 1 else 0):
+        drafting = request.max_depth >= 1 and (self.policy is None or self.policy.gate.allows())
+        for round_ in range(self.max_rounds if drafting else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
             top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
             log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
             if self.policy:
                 draft_seconds += self.policy.cost.draft_seconds(len(frontier))
-                child_prob = float(log_probs[:, 0].exp().mean())  # how sure the draft is, this round
+                # How likely a best child is to be accepted after its parent, judging by this round.
+                child_accept = float(self.policy.acceptance(log_probs[:, 0].exp()).mean())
             scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
             fresh = scores.isfinite()
             first_new = tree.size
@@ -74,17 +77,20 @@ class BestFirstDrafter(DrafterBase):
                 break
             frontier = candidates[: self.expand]
             if self.policy:
-                count = self.policy.frontier_size(
-                    tree.scores[self._ranked(tree)], tree.scores[frontier], draft_seconds, child_prob
-                )
+                probs = self.policy.node_probs(tree)  # (size,)
+                likely = self._ranked(tree, expandable(tree, request), key=probs)[: self.expand]
+                ranked = probs[self._ranked(tree, key=probs)]
+                count = self.policy.frontier_size(ranked, probs[likely], draft_seconds, child_accept)
                 if not count:
                     break
-                frontier = frontier[:count]
+                frontier = likely[:count]
             frontier = frontier.sort().values
         if self.policy:
-            ranked = self._ranked(tree)
-            size, _ = self.policy.best_size(tree.scores[ranked], draft_seconds)
+            probs = self.policy.node_probs(tree)
+            ranked = self._ranked(tree, key=probs)
+            size, _ = self.policy.best_size(probs[ranked], draft_seconds)
             steps.keep_nodes(torch.cat([ranked.new_zeros(1), ranked[:size].sort().values]))
+            self.last_seconds = draft_seconds + float(self.policy.target_table[size])
         drafted = tree.size
         if self.ngram:
             self._graft(tree, request)
@@ -102,16 +108,19 @@ class BestFirstDrafter(DrafterBase):
             graft_chain(tree, anchor, chain, request.max_depth, request.eos_token_ids)
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:
-        if self.policy:
-            drafted = draft.tree.size - draft.grafted  # grafted guesses carry no draft probability
-            accepted = sum(node < drafted for node in path)
-            self.policy.observe(draft.tree.scores[1:drafted], accepted)
+        if self.policy and draft.draft_calls:  # grafted guesses carry no draft probability to learn from
+            self.policy.observe(draft.tree, path, draft.tree.size - draft.grafted)
+            self.policy.gate.record(len(path) + 1, self.last_seconds)
 
     @staticmethod
-    def _ranked(tree: DraftTree, among: torch.Tensor | None = None) -> torch.Tensor:
-        """Non-root node indices, best first: score descending, then depth ascending."""
+    def _ranked(
+        tree: DraftTree, among: torch.Tensor | None = None, key: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Non-root node indices, best first: `key` (default: the draft score) descending, then depth
+        ascending. Any key that never ranks a child above its parent keeps every prefix ancestor-closed."""
+        key = tree.scores if key is None else key.to(tree.scores.device)
         nodes = torch.arange(1, tree.size, device=tree.tokens.device)
         if among is not None:
             nodes = nodes[among[1:]]
         by_depth = nodes[torch.argsort(tree.depths[nodes], stable=True)]
-        return by_depth[torch.argsort(tree.scores[by_depth], descending=True, stable=True)]
+        return by_depth[torch.argsort(key[by_depth], descending=True, stable=True)]

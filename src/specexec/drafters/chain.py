@@ -40,6 +40,8 @@ class ChainDrafter(DrafterBase):
         draft = Draft(tree)
         steps = TreeDraftRunner(request, tree)
         length = min(self.schedule.length if self.schedule else self.length, self.max_length)
+        if self.cost_stop is not None and not self.cost_stop.gate.allows():
+            length = 0
         node = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         for i in range(min(length, request.max_depth)):
             if not expandable(tree, request)[node]:
@@ -69,4 +71,4 @@ class ChainDrafter(DrafterBase):
         if self.stop is not None:
             self.stop.observe(draft.confidences, accepted)
         if self.cost_stop is not None:
-            self.cost_stop.observe(accepted)
+            self.cost_stop.observe(draft.confidences, accepted)
