@@ -12,7 +12,7 @@ from specexec.prompts import load_prompts
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 32
+NEW_TOKENS = 12  # PyTorch's low-bit kernels are ~40x slower with float32 activations than bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def int4_pair():
     return target, draft, prompt, reference
 
 
-@pytest.mark.parametrize(("method", "budget", "ngram"), [("sd", 3, 0), ("specexec", 16, 10)])
+@pytest.mark.parametrize(("method", "budget", "ngram"), [("sd", 3, 0), ("specexec", 8, 10)])
 def test_real_pair_int4_greedy_equals_its_own_target(int4_pair, method: str, budget: int, ngram: int) -> None:
     target, draft, prompt, reference = int4_pair
     out = specexec.generate(
