@@ -176,14 +176,24 @@ def test_auto_budget_labels_the_children_of_accepted_nodes_and_multiplies_rates(
     assert rates.tolist() == pytest.approx([(1.7 + 1) / 3, 0.5 / 3, 1.1 / 3])
 
 
-def test_auto_budget_generation_is_exact_and_follows_the_regime(models) -> None:
+@pytest.fixture(scope="module")
+def reference(models) -> list[int]:
+    """The target's own greedy continuation of the prompt, 48 tokens."""
+    target, _, prompt = models
+    return target.generate(prompt[None], do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+
+
+def auto_generate(models, method: str, cost: CostModel) -> specexec.GenerationOutput:
     target, draft, prompt = models
-    reference = target.generate(prompt[None], do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+    return specexec.generate(
+        target, draft, prompt, method=method, budget="auto", cost_model=cost, max_new_tokens=48
+    )
+
+
+def test_auto_budget_generation_is_exact_and_follows_the_regime(models, reference) -> None:
     sizes = {}
     for name, cost in (("steep", STEEP), ("flat", FLAT)):
-        out = specexec.generate(
-            target, draft, prompt, method="specexec", budget="auto", cost_model=cost, max_new_tokens=48
-        )
+        out = auto_generate(models, "specexec", cost)
         assert out.tokens == reference
         sizes[name] = sum(out.stats.tree_sizes) / len(out.stats.tree_sizes)
     assert sizes["flat"] > 4 * sizes["steep"], sizes
@@ -224,14 +234,10 @@ def test_chain_cost_stop_follows_costs_and_confidence() -> None:
     assert chain_length(stop, 0.9) < before
 
 
-def test_dsl_auto_is_exact_and_cuts_chains_by_cost(models) -> None:
-    target, draft, prompt = models
-    reference = target.generate(prompt[None], do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+def test_dsl_auto_is_exact_and_cuts_chains_by_cost(models, reference) -> None:
     depths = {}
     for name, cost in (("steep", STEEP), ("flat", FLAT)):
-        out = specexec.generate(
-            target, draft, prompt, method="dsl", budget="auto", cost_model=cost, max_new_tokens=48
-        )
+        out = auto_generate(models, "dsl", cost)
         assert out.tokens == reference
         depths[name] = max(out.stats.tree_depths)
     assert depths["flat"] > depths["steep"], depths
@@ -262,13 +268,9 @@ def test_speculation_gate_pauses_drafting_that_loses_and_backs_off() -> None:
     assert gate.allows() and gate.pause == 2
 
 
-def test_auto_methods_stop_drafting_where_it_cannot_pay_and_stay_exact(models) -> None:
-    target, draft, prompt = models
-    reference = target.generate(prompt[None], do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+def test_auto_methods_stop_drafting_where_it_cannot_pay_and_stay_exact(models, reference) -> None:
     hopeless = CostModel({1: 0.01, 64: 0.5}, {1: 0.5, 64: 1.0})  # a draft pass costs 50 target passes
     for method in ("specexec", "dsl"):
-        out = specexec.generate(
-            target, draft, prompt, method=method, budget="auto", cost_model=hopeless, max_new_tokens=48
-        )
+        out = auto_generate(models, method, hopeless)
         assert out.tokens == reference
         assert out.stats.tree_sizes.count(0) >= len(out.stats.tree_sizes) / 2, (method, out.stats.tree_sizes)

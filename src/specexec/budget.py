@@ -201,8 +201,10 @@ class AutoBudget:
         self.max_budget = max_budget
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
-        # Target time for 1 .. max_budget + 1 tokens, looked up every draft round.
+        # Target time for 1 .. max_budget + 1 tokens and draft time for 1 .. max_budget nodes, looked up
+        # every draft round.
         self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
+        self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
 
     def node_probs(self, tree: DraftTree) -> torch.Tensor:
         """P for every node of `tree` (the root: 1), (size,)."""
@@ -231,7 +233,7 @@ class AutoBudget:
         counts = torch.arange(1, len(frontier) + 1)  # (F,)
         extra = frontier.cumsum(0) * child_accept  # (F,)
         grown = (size + counts).clamp(max=self.max_budget)
-        pass_seconds = torch.tensor([self.cost.draft_seconds(int(n)) for n in counts])
+        pass_seconds = self.draft_table[counts - 1]  # (F,)
         rates = (gain + extra) / (draft_seconds + pass_seconds + self.target_table[grown])  # (F,)
         best = int(rates.argmax())
         return best + 1 if float(rates[best]) > rate else 0
