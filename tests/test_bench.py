@@ -152,6 +152,11 @@ def test_configs_expand_methods_and_budgets() -> None:
     assert labels == ["ar", "specexec@16", "specexec@64", "sd@2", "hf-lookup", "specinfer@8"]
     assert configs[1].expand == 32 and configs[1].width == 8 and configs[-1].branches == 4
     assert [c.label for c in make_configs(["specinfer"], [16, 64])] == ["ar", "specinfer@16", "specinfer@64"]
+    # dsl is sized by cost unless told otherwise; an integer is its longest confidence-stopped chain.
+    assert [c.label for c in make_configs(["dsl"])] == ["ar", "dsl@auto"]
+    assert [c.label for c in make_configs(["dsl"], dsl_budgets=["auto", 20])] == ["ar", "dsl@auto", "dsl@20"]
+    with pytest.raises(BenchError, match="'auto' is for specexec and dsl"):
+        make_configs(["sd"], sd_budgets=["auto"])
 
 
 def test_schema(greedy) -> None:

@@ -107,7 +107,7 @@ def test_adapted_threshold_applies_within_the_same_generation(models) -> None:
 def test_dsl_and_heuristic_sd_are_exact_and_adapt(models) -> None:
     target, draft, prompt = models
     reference = target.generate(prompt[None], do_sample=False, max_new_tokens=64)[0, len(prompt) :].tolist()
-    dsl = specexec.generate(target, draft, prompt, method="dsl", max_new_tokens=64)
+    dsl = specexec.generate(target, draft, prompt, method="dsl", budget=20, max_new_tokens=64)
     assert dsl.tokens == reference
     assert len(set(dsl.stats.tree_sizes)) > 1  # draft lengths vary with confidence
     heuristic = specexec.generate(
@@ -241,6 +241,15 @@ def test_dsl_auto_is_exact_and_cuts_chains_by_cost(models, reference) -> None:
         assert out.tokens == reference
         depths[name] = max(out.stats.tree_depths)
     assert depths["flat"] > depths["steep"], depths
+
+
+def test_auto_is_the_default_budget_of_specexec_and_dsl(models) -> None:
+    target, draft, prompt = models
+    for method in ("specexec", "dsl"):
+        explicit = auto_generate(models, method, STEEP)
+        default = specexec.generate(target, draft, prompt, method=method, cost_model=STEEP, max_new_tokens=48)
+        assert default.tokens == explicit.tokens
+        assert default.stats.tree_sizes == explicit.stats.tree_sizes, method  # the same cost-sized steps
 
 
 def test_calibration_curves_are_made_non_decreasing() -> None:

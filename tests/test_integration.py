@@ -38,7 +38,7 @@ def pair():
 
 
 @pytest.mark.parametrize(
-    ("method", "budget"), [("sd", 4), ("dsl", None), ("specinfer", 16), ("specexec", 16), ("specexec", 64)]
+    ("method", "budget"), [("sd", 4), ("dsl", 20), ("specinfer", 16), ("specexec", 16), ("specexec", 64)]
 )
 def test_real_pair_greedy_equals_target(pair, method: str, budget: int | None) -> None:
     tokenizer, target, draft, prompts, references = pair

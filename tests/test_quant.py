@@ -74,7 +74,7 @@ def quantized_pair(arch: str, mode: str):
 CASES = {
     "ar": dict(method="ar"),
     "sd": dict(method="sd", budget=4),
-    "dsl": dict(method="dsl"),
+    "dsl": dict(method="dsl", budget=20),
     "specinfer": dict(method="specinfer", budget=16),
     "specexec": dict(method="specexec", budget=32),
     "specexec-narrow": dict(method="specexec", budget=32, expand=2),

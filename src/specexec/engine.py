@@ -36,8 +36,10 @@ METHODS = ("ar", "sd", "dsl", "specinfer", "specexec")
 # than the cache walk at temperature > 0 (both are exact; greedy, they are the same rule).
 REJECTION_METHODS = ("sd", "dsl", "specinfer")
 AUTO_METHODS = ("specexec", "dsl")  # the methods whose budget may be "auto" (sized by the cost model)
-# Draft tokens verified per target pass when `budget` is not given (dsl: the longest draft).
-DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": 20, "specinfer": 32, "specexec": 64}
+# Draft tokens verified per target pass when `budget` is not given. "auto" sizes every step by the costs
+# measured on this machine, the one default that suits both a CPU and an offloaded GPU.
+DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": "auto", "specinfer": 32, "specexec": "auto"}
+DSL_MAX_LENGTH = 20  # the longest dsl chain under budget "auto"
 
 
 class GenerationError(ValueError):
@@ -148,15 +150,16 @@ def stream(
                   "heuristic" adapts the length (+2 after a fully accepted draft, -1 otherwise);
       "dsl"       a chain that stops once the draft's probability for its own token drops below
                   `confidence_threshold` (adapted from observed acceptances if `adapt_threshold`),
-                  at most `budget` tokens;
+                  at most `budget` tokens (an integer budget: the confidence rule alone);
       "specinfer" `branches` sampled chains, `budget` draft tokens in all, multi-draft rejection;
       "specexec"  a best-first tree of `budget` tokens (`expand` nodes per draft pass, `width` children
                   per node, at most `max_rounds` draft passes), verified by the cache walk; with
                   `ngram` > 0, prompt-lookup chains of up to `ngram` tokens are grafted into the tree.
-    `budget` defaults to DEFAULT_BUDGETS[method]. For "specexec", budget="auto" sizes every step's tree
-    by expected speed, from `cost_model` (by default this pair's calibration, measured on first use and
-    cached) and the acceptances seen so far; for "dsl" it also ends each chain where one more token is
-    expected to cost more time than it returns (at most DEFAULT_BUDGETS["dsl"] tokens).
+    `budget` defaults to DEFAULT_BUDGETS[method] ("auto" for specexec and dsl). For "specexec",
+    budget="auto" sizes every step's tree by expected speed, from `cost_model` (by default this pair's
+    calibration, measured on first use and cached) and the acceptances seen so far; for "dsl" it also
+    ends each chain where one more token is expected to cost more time than it returns (at most
+    DSL_MAX_LENGTH tokens).
     Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
     (which needs `tokenizer`).
@@ -175,7 +178,7 @@ def stream(
             raise GenerationError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
         cost = cost_model or cached_cost_model(target, draft)
         if method == "dsl":
-            budget, cost_stop = DEFAULT_BUDGETS["dsl"], ChainCostStop(cost)
+            budget, cost_stop = DSL_MAX_LENGTH, ChainCostStop(cost)
         else:
             budget = AutoBudget(cost)
     elif not isinstance(budget, int) or (method != "ar" and budget < 1):

@@ -74,6 +74,7 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         BENCH_METHODS,
         DEFAULT_BRANCHES,
         DEFAULT_BUDGETS,
+        DEFAULT_DSL_BUDGETS,
         DEFAULT_EXPAND,
         DEFAULT_METHODS,
         DEFAULT_SD_BUDGETS,
@@ -128,7 +129,11 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         "--width", type=_int_at_least(1), default=DEFAULT_WIDTH, help="specexec: children per node"
     )
     p.add_argument(
-        "--dsl-auto", action="store_true", help="also run dsl@auto (chains cut where they stop paying)"
+        "--dsl-budgets",
+        type=_type(_budgets),
+        default=list(DEFAULT_DSL_BUDGETS),
+        help="dsl: 'auto' (chains cut where they stop paying) and/or the longest confidence-stopped chain "
+        f"(default {joined(DEFAULT_DSL_BUDGETS)})",
     )
     p.add_argument("--branches", type=_int_at_least(1), default=DEFAULT_BRANCHES, help="specinfer: chains")
     p.add_argument(
@@ -186,7 +191,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         branches=args.branches,
         quants=args.quant,
         ngrams=args.ngram,
-        dsl_auto=args.dsl_auto,
+        dsl_budgets=args.dsl_budgets,
     )
     need_draft = any(c.method in DRAFT_METHODS for c in configs)
     tokenizer = load_tokenizer(args.target)

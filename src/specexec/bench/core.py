@@ -47,11 +47,12 @@ HF_METHODS = ("hf-assisted", "hf-lookup")
 EXTERNAL_METHODS = ("llamacpp",)  # other runtimes, optional extras: never in the default method list
 BENCH_METHODS = ENGINE_METHODS + HF_METHODS + EXTERNAL_METHODS
 DEFAULT_METHODS = ENGINE_METHODS + HF_METHODS
-BUDGET_METHODS = ("sd", "specinfer", "specexec")  # the methods a budget applies to
+BUDGET_METHODS = ("sd", "dsl", "specinfer", "specexec")  # the methods a budget applies to
 DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec", "hf-assisted")
 PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
 
-DEFAULT_BUDGETS = (16, 64, 256, 1024)
+DEFAULT_BUDGETS = (16, 64, 256, 1024, "auto")
+DEFAULT_DSL_BUDGETS = ("auto",)
 DEFAULT_SD_BUDGETS = (2, 4, 8)
 DEFAULT_EXPAND = 32
 DEFAULT_WIDTH = 8
@@ -169,31 +170,33 @@ def make_configs(
     branches: int = DEFAULT_BRANCHES,
     quants: Sequence[str] = ("none",),
     ngrams: Sequence[int] = (0,),
-    dsl_auto: bool = False,
+    dsl_budgets: Sequence[int | str] = DEFAULT_DSL_BUDGETS,
 ) -> list[BenchConfig]:
     """Expand quantization levels x methods x budgets into configurations; `ar` (the reference) is always
     included, first in each level.
 
-    sd runs once per `sd_budgets` entry (its draft length), specinfer once per `specinfer_budgets` entry
-    (default: `budgets`), specexec once per `budgets` x `ngrams` entry; ar, dsl and the HF methods run
-    once per level (dsl also as dsl@auto with `dsl_auto`); llamacpp runs once (its own weights).
+    sd runs once per `sd_budgets` entry (its draft length), dsl once per `dsl_budgets` entry ("auto" or
+    the longest confidence-stopped chain), specinfer once per `specinfer_budgets` entry (default:
+    `budgets` without "auto"), specexec once per `budgets` x `ngrams` entry; ar and the HF methods run
+    once per level; llamacpp runs once (its own weights).
     """
     if not quants or not ngrams:
         raise BenchError("at least one quantization level and one ngram setting are needed")
     configs = []
     for quant in dict.fromkeys(quants):
         configs += _level_configs(
-            methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_auto
+            methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_budgets
         )
     return list(dict.fromkeys(configs))  # llamacpp, the same at every level, once
 
 
 def _level_configs(
-    methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_auto
+    methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_budgets
 ) -> list[BenchConfig]:
     methods = list(dict.fromkeys(["ar", *methods]))
     per_method = {
         "sd": sd_budgets,
+        "dsl": dsl_budgets,
         "specinfer": [b for b in budgets if b != "auto"] if specinfer_budgets is None else specinfer_budgets,
         "specexec": budgets,
     }
@@ -203,8 +206,6 @@ def _level_configs(
             raise BenchError(f"unknown method {method!r}; choose from {', '.join(BENCH_METHODS)}")
         if method not in BUDGET_METHODS:
             configs.append(BenchConfig(method, quant="none" if method in EXTERNAL_METHODS else quant))
-            if method == "dsl" and dsl_auto:
-                configs.append(BenchConfig(method, "auto", quant=quant))
             continue
         if not per_method[method]:
             raise BenchError(f"method {method!r} needs at least one budget")
