@@ -185,13 +185,13 @@ def make_configs(
     configs = []
     for quant in dict.fromkeys(quants):
         configs += _level_configs(
-            methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_budgets
+            methods, budgets, sd_budgets, dsl_budgets, specinfer_budgets, expand, width, branches, quant, ngrams
         )
     return list(dict.fromkeys(configs))  # llamacpp, the same at every level, once
 
 
 def _level_configs(
-    methods, budgets, sd_budgets, specinfer_budgets, expand, width, branches, quant, ngrams, dsl_budgets
+    methods, budgets, sd_budgets, dsl_budgets, specinfer_budgets, expand, width, branches, quant, ngrams
 ) -> list[BenchConfig]:
     methods = list(dict.fromkeys(["ar", *methods]))
     per_method = {

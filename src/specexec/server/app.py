@@ -383,7 +383,8 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
-    if (budget if budget is not None else DEFAULT_BUDGETS[method]) == "auto" and options.get("cost_model") is None:
+    sized_by_cost = (budget if budget is not None else DEFAULT_BUDGETS[method]) == "auto"
+    if sized_by_cost and options.get("cost_model") is None:
         from specexec.budget import cached_cost_model
 
         options["cost_model"] = cached_cost_model(target, draft)  # calibrates now if not cached
