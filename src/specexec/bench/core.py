@@ -184,9 +184,8 @@ def make_configs(
         raise BenchError("at least one quantization level and one ngram setting are needed")
     configs = []
     for quant in dict.fromkeys(quants):
-        configs += _level_configs(
-            methods, budgets, sd_budgets, dsl_budgets, specinfer_budgets, expand, width, branches, quant, ngrams
-        )
+        budget_lists = (budgets, sd_budgets, dsl_budgets, specinfer_budgets)
+        configs += _level_configs(methods, *budget_lists, expand, width, branches, quant, ngrams)
     return list(dict.fromkeys(configs))  # llamacpp, the same at every level, once
 
 
