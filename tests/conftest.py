@@ -17,6 +17,7 @@ ONE_THREAD_MODULES = {
     "test_api.py",
     "test_quant.py",
     "test_lookup.py",
+    "test_draft_vocab.py",
 }
 
 

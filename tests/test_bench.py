@@ -406,6 +406,7 @@ def test_cli_usage_errors(args: list[str], message: str, tmp_path: Path, capsys)
         (["--prompts", "no-such-set"], "unknown prompt set 'no-such-set'"),
         (["--target", "MISSING"], "model path does not exist"),
         (["--draft", "MISSING"], "model path does not exist"),
+        (["--draft-vocab", "1000000"], "--draft-vocab must be between 1 and"),
     ],
 )
 def test_cli_errors_are_one_line(

@@ -16,6 +16,7 @@ plainly wrong acceptance rule, patched in, that the same statistic must reject.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
 from collections.abc import Callable
@@ -33,10 +34,11 @@ from transformers.generation.logits_process import (
 import specexec
 from specexec import verify
 from specexec.budget import CostModel
+from specexec.draft_vocab import restrict_draft_vocab
 from specexec.sampling import SamplingParams, probs_from_logits, sample, sample_without_replacement
 from specexec.tree import DraftTree
 
-# 26 engine-level and 3 rule-level goodness-of-fit tests share this threshold: with every rule exact, the
+# 28 engine-level and 3 rule-level goodness-of-fit tests share this threshold: with every rule exact, the
 # chance that any of them falls below it is about 0.3% (for another platform's random streams); every
 # negative control lands many orders of magnitude below it (the weakest at p ~ 1e-26).
 P_THRESHOLD = 1e-4
@@ -281,9 +283,19 @@ def exact_joint(setting: str) -> torch.Tensor:
 
 
 @functools.cache
-def engine_run(method: str, setting: str, patch: str = "") -> tuple[torch.Tensor, dict[str, int]]:
+def restricted_draft(size: int):
+    """The draft scoring token ids < size only (probability 0 for the others)."""
+    return restrict_draft_vocab(copy.deepcopy(models()[1]), size, multiple=1)
+
+
+@functools.cache
+def engine_run(
+    method: str, setting: str, patch: str = "", draft_vocab: int = 0
+) -> tuple[torch.Tensor, dict[str, int]]:
     """Counts of the 3 new tokens over ENGINE_DRAWS seeded calls, and what the first steps looked like."""
     target, draft = models()
+    if draft_vocab:
+        draft = restricted_draft(draft_vocab)
     counts = torch.zeros(V, V, V)
     design = {"deepest tree": 0, "steps with an acceptance": 0, "steps with a rejection": 0}
     with patched(patch):
@@ -361,6 +373,17 @@ def test_engine_samples_the_target_distribution(method: str, setting: str) -> No
         assert design["steps with an acceptance"] > ENGINE_DRAWS // 20, design
         assert design["steps with a rejection"] > ENGINE_DRAWS // 20, design
     p12, p23 = engine_pvalues(counts, setting)
+    assert p12 > P_THRESHOLD and p23 > P_THRESHOLD, (p12, p23)
+
+
+@pytest.mark.parametrize("method", ["sd", "specexec"])
+def test_a_draft_with_a_restricted_vocabulary_still_samples_the_target(method: str) -> None:
+    size = 6
+    assert int(restricted_draft(size).get_output_embeddings().kept.max()) < V - 1  # some ids cut off
+    counts, design = engine_run(method, "t1", draft_vocab=size)
+    assert design["steps with an acceptance"] > ENGINE_DRAWS // 20, design
+    assert counts[size:].sum() > ENGINE_DRAWS // 20  # ids the draft never proposes are still sampled
+    p12, p23 = engine_pvalues(counts, "t1")
     assert p12 > P_THRESHOLD and p23 > P_THRESHOLD, (p12, p23)
 
 

@@ -53,6 +53,7 @@ def tiny_config(
     max_position_embeddings: int = 512,
     sliding_window: int = SLIDING_WINDOW,
     attn_implementation: str | None = None,
+    tie_word_embeddings: bool = False,
 ):
     config_cls, _ = _CONFIGS[arch]
     head_dim = hidden_size // num_heads
@@ -69,7 +70,7 @@ def tiny_config(
         eos_token_id=eos_token_id,
         bos_token_id=None,
         pad_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     if arch == "mistral":
         kwargs.update(sliding_window=sliding_window)

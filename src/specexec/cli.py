@@ -59,7 +59,7 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         help="weights in memory (default: bfloat16 where the CPU/GPU computes it natively, else float32)",
     )
     quant_help = (
-        "CPU weight-only quantization of target and draft: int8 per channel or int4 per group of 32, on "
+        "CPU weight-only quantization of target and draft: int8 per channel or int4 per group of 64, on "
         "PyTorch's low-bit kernels (default none)"
     )
     if quant_list:
@@ -73,6 +73,14 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         parser.add_argument("--quant", choices=QUANT_MODES, default="none", help=quant_help)
     parser.add_argument(
         "--draft-quant", choices=QUANT_MODES, default=None, help="the draft's quantization (default: --quant)"
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="the draft scores only the first N token ids and the special tokens: a cheaper draft pass "
+        "(e.g. 32000; default 0 = all)",
     )
     off = parser.add_argument_group("offloading (target only)")
     off.add_argument(
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # stderr carries our one-line messages and stats only
     if args.simulate_offload_gbps is not None and (args.offload or args.gpu_memory or args.quant_offload):
         parser.error("--simulate-offload-gbps stands in for a GPU: it cannot be combined with --offload")
+    from specexec.draft_vocab import DraftVocabError
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
     from specexec.offload import OffloadError
@@ -210,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             from specexec.bench.cli import run_bench
 
             return run_bench(args)
-    except (GenerationError, ModelSourceError, OffloadError, QuantError, OSError) as e:
+    except (GenerationError, ModelSourceError, OffloadError, QuantError, DraftVocabError, OSError) as e:
         print(f"specexec: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
@@ -233,7 +242,7 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
     draft = None
     if need_draft:
         check_same_vocab(tokenizer, load_tokenizer(args.draft))
-        draft = load_model(args.draft, dtype, quant=args.draft_quant or quant)
+        draft = load_model(args.draft, dtype, quant=args.draft_quant or quant, vocab=args.draft_vocab)
     offload = None
     if args.offload or args.gpu_memory or args.quant_offload:
         offload = {"ring_size": args.ring_size, "gpu_memory": args.gpu_memory, "codec": args.quant_offload}

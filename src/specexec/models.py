@@ -85,7 +85,11 @@ def default_dtype() -> torch.dtype:
 
 
 def load_model(
-    source: str, dtype: torch.dtype = torch.bfloat16, offload: dict | None = None, quant: str = "none"
+    source: str,
+    dtype: torch.dtype = torch.bfloat16,
+    offload: dict | None = None,
+    quant: str = "none",
+    vocab: int = 0,
 ) -> PreTrainedModel:
     """Load a causal LM in eval mode on the CPU.
 
@@ -94,8 +98,10 @@ def load_model(
     ``dtype`` is only the in-memory dtype. ``offload`` (keyword arguments of
     ``specexec.offload.offload_model``) streams the decoder layers from host memory to the GPU.
     ``quant`` ("none", "int8", "int4") stores the linear layers in low-bit form for the CPU kernels
-    (``specexec.quant.quantize_model``).
+    (``specexec.quant.quantize_model``). ``vocab`` > 0 makes a draft score only its first ``vocab`` token
+    ids, plus its special tokens (``specexec.draft_vocab``).
     """
+    from specexec.draft_vocab import restrict_draft_vocab
     from specexec.quant import QuantError, quantize_model
 
     if quant != "none" and offload is not None:
@@ -114,6 +120,8 @@ def load_model(
 
         offloader = offload_model(model, **offload)  # OffloadError without CUDA
         print(f"[{offloader.describe()}]", file=sys.stderr)
+    if vocab:
+        restrict_draft_vocab(model, vocab, always=load_tokenizer(source).all_special_ids)
     return quantize_model(model, quant)
 
 

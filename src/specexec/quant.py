@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specexec.draft_vocab import ReducedHead
+
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 64  # 32 is 2-5x slower in the CPU kernel for long rows (K = 8960) and the LM head
 # Measured on a 2-core AMX CPU, 1536x8960 weight: the low-bit kernels beat bfloat16 up to 4 rows.
@@ -124,6 +126,8 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
         head = model.get_output_embeddings()
         if isinstance(head, nn.Linear):
             model.set_output_embeddings(_quantized(head, bits, group_size))
+        elif isinstance(head, ReducedHead):
+            head.linear = _quantized(head.linear, bits, group_size)
     return model
 
 

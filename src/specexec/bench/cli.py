@@ -157,14 +157,16 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """Run `specexec bench` from parsed arguments; errors print one line and return 1."""
     from specexec.bench.core import BenchError
+    from specexec.draft_vocab import DraftVocabError
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
     from specexec.prompts import PromptSetError
     from specexec.quant import QuantError
 
+    errors = (BenchError, PromptSetError, GenerationError, ModelSourceError, QuantError, DraftVocabError)
     try:
         return _run(args, command or shlex.join(sys.argv))
-    except (BenchError, PromptSetError, GenerationError, ModelSourceError, QuantError, OSError) as e:
+    except (*errors, OSError) as e:
         print(f"specexec: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
 
