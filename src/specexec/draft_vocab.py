@@ -63,8 +63,7 @@ def restrict_draft_vocab(
     if not isinstance(head, nn.Linear):
         raise DraftVocabError(f"cannot restrict the LM head of {type(model).__name__}")
     vocab = head.out_features
-    if not 0 < size < vocab:
-        raise DraftVocabError(f"--draft-vocab must be between 1 and {vocab - 1} (the vocabulary), got {size}")
+    check_draft_vocab(size, vocab)
     config = model.config.get_text_config()
     generation = getattr(model, "generation_config", None)
     extra = {*always, *_ids(config.eos_token_id), *_ids(getattr(generation, "eos_token_id", None))}
@@ -73,6 +72,12 @@ def restrict_draft_vocab(
     kept = sorted(kept)
     model.set_output_embeddings(ReducedHead(head, torch.tensor(kept, device=head.weight.device)))
     return model
+
+
+def check_draft_vocab(size: int, vocab: int) -> None:
+    """Refuse a restriction that keeps nothing or everything of a `vocab`-token head."""
+    if not 0 < size < vocab:
+        raise DraftVocabError(f"--draft-vocab must be between 1 and {vocab - 1} (the vocabulary), got {size}")
 
 
 def draft_vocab_size(model: nn.Module) -> int:

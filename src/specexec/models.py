@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GgufConfig,
@@ -101,13 +102,16 @@ def load_model(
     (``specexec.quant.quantize_model``). ``vocab`` > 0 makes a draft score only its first ``vocab`` token
     ids, plus its special tokens (``specexec.draft_vocab``).
     """
-    from specexec.draft_vocab import restrict_draft_vocab
+    from specexec.draft_vocab import check_draft_vocab, restrict_draft_vocab
     from specexec.quant import QuantError, quantize_model
 
     if quant != "none" and offload is not None:
         raise QuantError("--quant is for CPU inference; offloading streams NF4 with --quant-offload nf4")
     folder = _local_folder(source)
     _check_model_folder(folder)
+    if vocab:  # refused before the weights load
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        check_draft_vocab(vocab, config.get_text_config().vocab_size)
     model = AutoModelForCausalLM.from_pretrained(
         folder,
         dtype=dtype,

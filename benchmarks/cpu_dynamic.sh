@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Issue 4's CPU benchmark (docs/benchmarks.md, "Dynamic speculation"): the real pair in bfloat16, every
+# method at its defaults next to the sweeps it must beat, HumanEval and MT-Bench, greedy and T=0.6, one run
+# per prompt set and temperature, on an otherwise idle machine.
+set -euo pipefail
+out=${1:-bench-out}
+specexec calibrate
+common=(--methods ar,sd,dsl,specexec,hf-assisted --sd-budgets 2,3,4,6,8 --dsl-budgets auto,20
+  --budgets 8,16,32,64,auto --warmup-tokens 8 --no-progress)
+for temp in 0 0.6; do
+  sampling=(--temperature "$temp")
+  [ "$temp" = 0 ] || sampling+=(--top-p 0.9)
+  name=$([ "$temp" = 0 ] && echo greedy || echo "t$temp")
+  specexec bench --prompts humaneval --n-prompts 4 --max-new-tokens 64 "${common[@]}" "${sampling[@]}" \
+    --out "$out/dynamic-humaneval-$name"
+  specexec bench --prompts mtbench --n-prompts 3 --max-new-tokens 48 "${common[@]}" "${sampling[@]}" \
+    --out "$out/dynamic-mtbench-$name"
+done
