@@ -1,4 +1,5 @@
-"""Weight-only int8/int4 quantization: the kernels compute the dequantized model, and every method is exact
+"""int8/int4/w4a8 quantization: the kernels compute the quantized model (the dequantized weights; for w4a8
+also the int8-rounded activations, row by row, whatever the number of rows), and every method is exact
 relative to the quantized target's own greedy decoding and sampling distribution."""
 
 from __future__ import annotations
@@ -7,12 +8,21 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import chi2_pvalue, hf_greedy, perturbed, tiny_model
 from torch import nn
 
 import specexec
 from specexec.budget import CostModel
-from specexec.quant import LOW_BIT_MAX_ROWS, QuantError, QuantLinear, quant_label, quantize_model
+from specexec.quant import (
+    LOW_BIT_MAX_ROWS,
+    QuantError,
+    QuantLinear,
+    quant_label,
+    quantize_model,
+    w4a8_kernel,
+    w4a8_reference,
+)
 from specexec.sampling import SamplingParams, probs_from_logits
 
 # int4 needs in_features % 32 == 0 and out_features % 16 == 0: hidden 64, vocab 96 fit.
@@ -26,7 +36,7 @@ NEW = 48
 def test_quant_linear_computes_its_dequantized_weights(bits: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True).to(dtype).requires_grad_(False)
-    quant = QuantLinear(linear, bits)
+    quant = QuantLinear(linear, f"int{bits}")
     error = (
         quant.dequantized.float() - linear.weight.float()
     ).abs().max() / linear.weight.float().abs().max()
@@ -36,6 +46,46 @@ def test_quant_linear_computes_its_dequantized_weights(bits: int, dtype: torch.d
         expected = x.float() @ quant.dequantized.float().t() + linear.bias.float()
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(quant(x).float(), expected, atol=tolerance * 10, rtol=tolerance)
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (128, 96), (8960 // 35, 48)])  # K 256, a few groups
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_kernel_is_its_reference_row_by_row(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    k, n = shape
+    linear = nn.Linear(k, n, bias=True).to(dtype).requires_grad_(False)
+    quant = QuantLinear(linear, "w4a8")
+    x = torch.randn(19, k, dtype=dtype) * torch.rand(19, 1, dtype=dtype)  # 19 rows: 2 tiles of 8 and 3
+    x[4, :64] = 0  # an all-zero group
+    out = quant(x)
+    assert out.dtype == dtype
+    expected = w4a8_reference(x.float(), quant) + linear.bias.double()  # (19, N)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected.to(dtype).double(), atol=tolerance, rtol=tolerance)
+    # Each row alone gives the same bits: a verified block equals one-token decoding.
+    assert torch.equal(out, torch.cat([quant(x[i : i + 1]) for i in range(19)]))
+    assert torch.equal(quant(x[None, 3:9]), out[None, 3:9])  # (1, T, K) as a model passes it
+    # It is a real quantization of the layer: close to the float result, not equal.
+    dense = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    error = float((out.float() - dense).abs().max() / dense.abs().max())
+    assert 1e-4 < error < 0.1
+
+
+def test_w4a8_portable_path_gives_the_same_bits_as_the_vector_path() -> None:
+    torch.manual_seed(1)
+    quant = QuantLinear(nn.Linear(192, 32, bias=False).requires_grad_(False), "w4a8")
+    x = torch.randn(11, 192)
+    vector = quant(x)
+    portable = w4a8_kernel("x86-64")
+    assert portable.w4a8_has_vnni() == 0
+    quant.kernel = portable
+    assert torch.equal(quant(x), vector)
+
+
+def test_w4a8_without_a_compiler_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(QuantError, match="install gcc"):
+        w4a8_kernel.__wrapped__()
 
 
 def test_quantize_model_replaces_linears_and_the_head() -> None:
@@ -57,11 +107,13 @@ def test_quantize_model_replaces_linears_and_the_head() -> None:
     assert quant_label(plain) == "none"
 
 
-def test_int4_falls_back_to_int8_where_the_kernel_cannot_take_the_shape() -> None:
-    model = quantize_model(tiny_model("llama", seed=0, vocab_size=90, hidden_size=64), "int4")
+@pytest.mark.parametrize("mode", ["int4", "w4a8"])
+def test_4_bit_modes_fall_back_to_int8_where_the_kernel_cannot_take_the_shape(mode: str) -> None:
+    model = quantize_model(tiny_model("llama", seed=0, vocab_size=90, hidden_size=64), mode)
     head = model.get_output_embeddings()
-    assert head.bits == 8  # 90 output rows: not a multiple of 16
-    assert model.model.layers[0].mlp.up_proj.bits == 4
+    assert head.mode == "int8"  # 90 output rows: not a multiple of 16
+    assert model.model.layers[0].mlp.up_proj.mode == mode
+    assert quant_label(model) == mode
 
 
 @functools.cache
@@ -83,7 +135,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_is_the_quantized_targets_own_greedy(arch: str, mode: str, case: str) -> None:
     target, draft = quantized_pair(arch, mode)
@@ -112,11 +164,11 @@ DRAWS = 1_200
 
 
 @functools.cache
-def sampling_models():
+def sampling_models(mode: str):
     target = tiny_model("llama", seed=0, init_range=0.2, **SMALL)
     draft = tiny_model("llama", seed=7, init_range=0.6, **SMALL)
     plain_target = tiny_model("llama", seed=0, init_range=0.2, **SMALL)
-    return quantize_model(target, "int4"), quantize_model(draft, "int4"), plain_target
+    return quantize_model(target, mode), quantize_model(draft, mode), plain_target
 
 
 def exact_joint(model) -> torch.Tensor:
@@ -129,8 +181,8 @@ def exact_joint(model) -> torch.Tensor:
 
 
 @functools.cache
-def sampled_counts(method: str) -> torch.Tensor:
-    target, draft, _ = sampling_models()
+def sampled_counts(method: str, mode: str) -> torch.Tensor:
+    target, draft, _ = sampling_models(mode)
     args = {"sd": dict(budget=1), "specexec": dict(budget=6, expand=2, width=3)}[method]
     counts = torch.zeros(V, V)
     for i in range(DRAWS):
@@ -141,10 +193,10 @@ def sampled_counts(method: str) -> torch.Tensor:
     return counts
 
 
-@pytest.mark.parametrize("method", ["sd", "specexec"])
-def test_quantized_sampling_matches_the_quantized_target(method: str) -> None:
-    target, _, plain = sampling_models()
-    counts = sampled_counts(method)
+@pytest.mark.parametrize(("method", "mode"), [("sd", "int4"), ("specexec", "int4"), ("specexec", "w4a8")])
+def test_quantized_sampling_matches_the_quantized_target(method: str, mode: str) -> None:
+    target, _, plain = sampling_models(mode)
+    counts = sampled_counts(method, mode)
     assert chi2_pvalue(counts, exact_joint(target)) > P_THRESHOLD
     # Negative control: the same draws are recognisably not the unquantized model's distribution.
     assert chi2_pvalue(counts, exact_joint(plain)) < P_THRESHOLD

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specexec.models import cache_root
 from specexec.quant import quant_label
 from specexec.runner import ModelRunner, clock
 from specexec.tree import DraftTree
@@ -386,5 +386,4 @@ def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: st
 
     key = "|".join([describe(target), describe(draft), str(torch.get_num_threads()), label])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SPECEXEC_CACHE", Path.home() / ".cache" / "specexec"))
-    return root / "calibration" / f"{digest}.json"
+    return cache_root() / "calibration" / f"{digest}.json"

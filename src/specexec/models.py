@@ -194,7 +194,7 @@ def gguf_file(source: str) -> Path:
 def _local_folder(source: str) -> Path:
     """Resolve ``source`` to a local Hugging Face folder, converting GGUF sources on first use."""
     if source in _PACKAGED:
-        dest = _cache_root() / f"{source}-{_PACKAGED[source].sha256[:12]}"
+        dest = cache_root() / f"{source}-{_PACKAGED[source].sha256[:12]}"
         return dest if dest.is_dir() else _convert(_assembled_gguf(source), dest)
     path = Path(source).expanduser()
     if path.is_dir():
@@ -204,7 +204,7 @@ def _local_folder(source: str) -> Path:
             raise ModelSourceError(f"{path} is a file but not a .gguf; pass a .gguf file or a model folder")
         stat = path.stat()
         # Keyed by size and mtime rather than a hash: hashing a 1 GB file costs seconds on every load.
-        dest = _cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+        dest = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
         return dest if dest.is_dir() else _convert(path, dest)
     if _HUB_ID.match(source):
         raise ModelSourceError(
@@ -265,7 +265,7 @@ def _convert(gguf: Path, dest: Path) -> Path:
 def _assembled_gguf(name: str) -> Path:
     """Concatenate a packaged model's parts into the cache once, checking the sha256 once."""
     spec = _PACKAGED[name]
-    gguf = _cache_root() / f"{name}-{spec.sha256[:12]}.gguf"
+    gguf = cache_root() / f"{name}-{spec.sha256[:12]}.gguf"
     # The marker records a verified file, so later loads skip rehashing a gigabyte.
     verified = gguf.with_name(gguf.name + ".sha256-ok")
     if verified.is_file() and gguf.is_file():
@@ -340,7 +340,8 @@ def _publish(partial: Path, dest: Path) -> None:
             raise
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """Where converted models, calibrations and compiled kernels are kept (``SPECEXEC_CACHE``)."""
     return Path(os.environ.get("SPECEXEC_CACHE") or Path.home() / ".cache" / "specexec").expanduser()
 
 

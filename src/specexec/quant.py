@@ -1,18 +1,34 @@
-"""Weight-only int8 / int4 quantization for CPU inference, on PyTorch's own low-bit matmul kernels.
+"""int8 / int4 quantization for CPU inference: PyTorch's own low-bit kernels, and a small C kernel.
 
-Every `nn.Linear` of the decoder layers and the LM head becomes a `QuantLinear`. The quantized model is
-defined by its dequantized weights: int8 is symmetric per output channel (w = q * s), int4 is asymmetric
-per group of `group_size` input channels (w = (q - 8) * s + z, PyTorch's int4pack convention).
+Every `nn.Linear` of the decoder layers and the LM head becomes a `QuantLinear`, in one of three modes:
+- "int8", weight-only, symmetric per output channel (w = q * s): the model is its dequantized weights;
+- "int4", weight-only, asymmetric per group of `group_size` input channels (w = (q - 8) * s + z,
+  PyTorch's int4pack convention): the model is its dequantized weights;
+- "w4a8": the same 4-bit weights (w = q * s + low, groups of 64) times activations rounded to int8 per
+  row and group of 64 on the fly, as llama.cpp's Q4 x Q8 dot products do. One C kernel (w4a8.c,
+  compiled on first use, AVX-512 VNNI) does it with exact integer dot products per group; every row is
+  computed the same way whatever the number of rows, so verifying a 16-token tree gives bit for bit the
+  logits of decoding one token at a time, and costs about the same: the weights are read once per block
+  and serve every row from the cache.
 
-Why two paths: PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read 1/2 or
-1/4 of the bytes of a bfloat16 weight, which is what a memory-bound single-token decode needs, but their
-cost grows with every input row (at 16 rows they are ~3x slower than a bfloat16 matmul). So inputs of more
-than `LOW_BIT_MAX_ROWS` rows, i.e. tree verification and wide draft passes, use a matmul against the same
-weights dequantized once into the model's dtype. Both paths compute the same model; they differ only by
-floating-point rounding, like any batched versus single-token forward.
+PyTorch's int8/int4 CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read 1/2 or 1/4 of
+the bytes of a bfloat16 weight, which is what a memory-bound single-token decode needs, but their cost
+grows with every input row (at 16 rows they are ~3x slower than a bfloat16 matmul). So in "int8" and
+"int4", inputs of more than `LOW_BIT_MAX_ROWS` rows (tree verification, wide draft passes) use a matmul
+against the same weights dequantized once into the model's dtype; both paths compute the same model and
+differ only by floating-point rounding, like any batched versus single-token forward.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +36,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from specexec.draft_vocab import ReducedHead
+from specexec.models import cache_root
 
-QUANT_MODES = ("none", "int8", "int4")
+QUANT_MODES = ("none", "int8", "int4", "w4a8")
 INT4_GROUP_SIZE = 64  # 32 is 2-5x slower in the CPU kernel for long rows (K = 8960) and the LM head
+W4A8_GROUP_SIZE = 64  # fixed by w4a8.c
 # Measured on a 2-core AMX CPU, 1536x8960 weight: the low-bit kernels beat bfloat16 up to 4 rows.
 LOW_BIT_MAX_ROWS = 4
 
@@ -34,18 +52,32 @@ class QuantError(ValueError):
 class QuantLinear(nn.Module):
     """A linear layer with int8 (per channel) or int4 (per group) weights; see the module docstring."""
 
-    def __init__(self, linear: nn.Linear, bits: int, group_size: int = INT4_GROUP_SIZE) -> None:
+    def __init__(self, linear: nn.Linear, mode: str, group_size: int = INT4_GROUP_SIZE) -> None:
         super().__init__()
         weight = linear.weight.detach()
         dtype = weight.dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bits = bits
+        self.mode = mode
         self.group_size = group_size
-        if bits == 8:
+        self.bias = linear.bias
+        if mode == "w4a8":
+            if not int4_fits(linear, W4A8_GROUP_SIZE):
+                raise QuantError(
+                    f"w4a8 needs in_features divisible by {W4A8_GROUP_SIZE} and out_features by 16, "
+                    f"got {self.in_features} x {self.out_features}"
+                )
+            self.group_size = W4A8_GROUP_SIZE
+            self.kernel = w4a8_kernel()
+            packed, scales, lows = _w4a8(weight.float())
+            self.register_buffer("qweight", packed)  # (N / 16, K / 8, 64) uint8
+            self.register_buffer("scales", scales)  # (N / 16, K / 64, 16) float32
+            self.register_buffer("lows", lows)
+            return
+        if mode == "int8":
             qweight, scales, dequantized = _int8(weight.float())
             self.register_buffer("qweight", qweight)  # (N, K) int8
             self.register_buffer("scales", scales.to(dtype))  # (N,)
-        elif bits == 4:
+        elif mode == "int4":
             if not int4_fits(linear, group_size):
                 raise QuantError(
                     f"int4 needs in_features divisible by {group_size} and out_features by 16, "
@@ -55,16 +87,17 @@ class QuantLinear(nn.Module):
             self.register_buffer("qweight", qweight)  # packed by PyTorch
             self.register_buffer("scales_zeros", scales_zeros.to(dtype))  # (K / group, N, 2)
         else:
-            raise QuantError(f"bits must be 8 or 4, got {bits}")
+            raise QuantError(f"unknown QuantLinear mode {mode!r}")
         self.register_buffer("dequantized", dequantized.to(dtype))  # (N, K), for many-row inputs
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > LOW_BIT_MAX_ROWS or x.dtype != self.dequantized.dtype:
-            return F.linear(x, self.dequantized, self.bias)
         flat = x.reshape(rows, self.in_features)  # (rows, K)
-        if self.bits == 8:
+        if self.mode == "w4a8":
+            out = self._w4a8(flat)
+        elif rows > LOW_BIT_MAX_ROWS or x.dtype != self.dequantized.dtype:
+            return F.linear(x, self.dequantized, self.bias)
+        elif self.mode == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -74,8 +107,23 @@ class QuantLinear(nn.Module):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def _w4a8(self, flat: torch.Tensor) -> torch.Tensor:
+        x = flat.float().contiguous()  # (rows, K)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)  # (rows, N)
+        failed = self.kernel.w4a8_linear(
+            x.data_ptr(), x.shape[0], self.in_features, self.out_features, self.qweight.data_ptr(),
+            self.scales.data_ptr(), self.lows.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("w4a8 kernel: out of memory for its activation buffers")
+        return out.to(flat.dtype)
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.mode == "int8" else 4
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
 
 
 def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:
@@ -102,11 +150,87 @@ def _int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
     return packed, scales_zeros, dequantized
 
 
+def _w4a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack (N, K) float weights as w4a8.c reads them: q (0..15), scale and low per output and group."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // W4A8_GROUP_SIZE, W4A8_GROUP_SIZE)  # (N, G, 64)
+    low, high = groups.amin(-1), groups.amax(-1)  # (N, G)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+    q = q.reshape(n // 16, 16, k // 8, 2, 4)  # (N / 16, lane, K / 8, nibble, 4)
+    packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # (N / 16, K / 8, lane, 4)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # (N, G) -> (N / 16, G, 16)
+        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
+
+    return packed.reshape(n // 16, k // 8, 64).contiguous(), per_block(scales), per_block(low)
+
+
+def w4a8_reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """What the w4a8 kernel computes, in float64 with PyTorch ops (for tests): x (rows, K) -> (rows, N)."""
+    groups = x.double().reshape(x.shape[0], -1, W4A8_GROUP_SIZE)  # (rows, G, 64)
+    amax = groups.abs().amax(-1, keepdim=True).float()
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xi = (groups.float() * inverse).round().clamp(-127, 127)  # as the kernel rounds, in float32
+    activations = (xi.double() * (amax / 127).double()).reshape(x.shape)
+    n, k = layer.out_features, layer.in_features
+    packed = layer.qweight.reshape(n // 16, k // 8, 16, 4)  # (N / 16, K / 8, lane, 4)
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=3)  # (N / 16, K / 8, lane, nibble, 4)
+    q = q.permute(0, 2, 1, 3, 4).reshape(n, k).double()  # (N, K)
+
+    def per_output(t: torch.Tensor) -> torch.Tensor:  # (N / 16, G, 16) -> (N, K)
+        return t.transpose(1, 2).reshape(n, -1).double().repeat_interleave(W4A8_GROUP_SIZE, dim=1)
+
+    weight = q * per_output(layer.scales) + per_output(layer.lows)
+    return activations @ weight.t()
+
+
+@functools.cache
+def w4a8_kernel(march: str = "native") -> ctypes.CDLL:
+    """The compiled w4a8.c, built with the machine's C compiler on first use and cached per source,
+    flags and CPU (``SPECEXEC_CACHE``/kernels). Without AVX-512 VNNI in `march`, the portable C path."""
+    source = Path(__file__).with_name("w4a8.c")
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        raise QuantError("--quant w4a8 compiles a small C kernel on first use: install gcc (or set CC)")
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared"]
+    key = hashlib.sha256(
+        b"\0".join([source.read_bytes(), " ".join([compiler, *flags]).encode(), _cpu_description().encode()])
+    ).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"w4a8-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        built = subprocess.run(
+            [compiler, *flags, str(source), "-o", str(partial), "-lm"], capture_output=True, text=True
+        )
+        if built.returncode:
+            message = (built.stderr.strip().splitlines() or ["no message"])[0]
+            raise QuantError(f"compiling the w4a8 kernel failed: {message}")
+        os.replace(partial, path)
+    library = ctypes.CDLL(str(path))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.w4a8_linear.argtypes = [pointer, size, size, size, *[pointer] * 4, ctypes.c_int]
+    library.w4a8_linear.restype = ctypes.c_int
+    library.w4a8_has_vnni.restype = ctypes.c_int
+    return library
+
+
+def _cpu_description() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
 def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GROUP_SIZE) -> PreTrainedModel:
     """Quantize the decoder layers' and the LM head's linear layers in place; `mode` from QUANT_MODES.
 
     CPU only. The input embedding stays as it is (a lookup reads one row per token); a tied LM head gets
-    its own quantized copy. Under int4, a layer whose shape the int4 kernel cannot take is stored as int8.
+    its own quantized copy. Under int4 and w4a8, a layer whose shape the 4-bit kernel cannot take is
+    stored as int8 (weight-only).
     """
     if mode not in QUANT_MODES:
         raise QuantError(f"unknown quantization {mode!r}; choose from {', '.join(QUANT_MODES)}")
@@ -116,31 +240,31 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
         raise QuantError(f"--quant {mode} runs on the CPU kernels; the model is on {model.device}")
     if quant_label(model) != "none":
         raise QuantError(f"the model is already quantized ({quant_label(model)})")
-    bits = 8 if mode == "int8" else 4
     with torch.no_grad():
         for layer in _decoder_layers(model):
             for child in list(layer.modules()):
                 for attr, sub in list(child.named_children()):
                     if isinstance(sub, nn.Linear):
-                        setattr(child, attr, _quantized(sub, bits, group_size))
+                        setattr(child, attr, _quantized(sub, mode, group_size))
         head = model.get_output_embeddings()
         if isinstance(head, nn.Linear):
-            model.set_output_embeddings(_quantized(head, bits, group_size))
+            model.set_output_embeddings(_quantized(head, mode, group_size))
         elif isinstance(head, ReducedHead):
-            head.linear = _quantized(head.linear, bits, group_size)
+            head.linear = _quantized(head.linear, mode, group_size)
     return model
 
 
-def _quantized(linear: nn.Linear, bits: int, group_size: int) -> QuantLinear:
-    if bits == 4 and not int4_fits(linear, group_size):
-        bits = 8
-    return QuantLinear(linear, bits, group_size)
+def _quantized(linear: nn.Linear, mode: str, group_size: int) -> QuantLinear:
+    size = W4A8_GROUP_SIZE if mode == "w4a8" else group_size
+    if mode in ("int4", "w4a8") and not int4_fits(linear, size):
+        mode = "int8"
+    return QuantLinear(linear, mode, group_size)
 
 
 def quant_label(model: nn.Module) -> str:
-    """ "int8", "int4" or "none": how the model's linear layers are stored."""
-    bits = {m.bits for m in model.modules() if isinstance(m, QuantLinear)}
-    return f"int{max(bits)}" if bits else "none"
+    """One of QUANT_MODES: how the model's linear layers are stored (with int8 fallbacks, the 4-bit mode)."""
+    modes = {m.mode for m in model.modules() if isinstance(m, QuantLinear)}
+    return next((mode for mode in ("w4a8", "int4", "int8") if mode in modes), "none")
 
 
 def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:

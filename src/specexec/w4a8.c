@@ -1,0 +1,149 @@
+/* w4a8: y = x W^T with 4-bit weights and 8-bit activations, both quantized per group of 64 along K.
+ *
+ * Weights (N x K): w[n, k] = q[n, k] * s[n, g] + low[n, g], q in 0..15, g = k / 64.
+ * Activations (M x K), quantized here per row and group: x[m, k] ~ xi[m, k] * sx[m, g], xi in -127..127.
+ * So y[m, n] = sum_g s[n, g] sx[m, g] (q . xi)_g + low[n, g] sx[m, g] (sum xi)_g, where (q . xi)_g is an
+ * exact integer dot product over the 64 channels of group g (AVX-512 VNNI: unsigned q times signed xi).
+ *
+ * Every row is computed the same way whatever M is, so a block of rows gives bit for bit the rows computed
+ * one at a time, and the weights, read once per block of 16 outputs, serve every row from the cache.
+ *
+ * Packed weights, per block of 16 outputs and per 8 input channels k0..k0+7: 64 bytes; byte 4j + t holds
+ * q[n0 + j, k0 + t] in its low nibble and q[n0 + j, k0 + 4 + t] in its high nibble (j < 16, t < 4).
+ * scales and lows: float32 [N / 16][K / 64][16].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512VNNI__
+#include <immintrin.h>
+#endif
+
+#define GROUP 64
+#define ROW_TILE 8
+
+int w4a8_has_vnni(void) {
+#ifdef __AVX512VNNI__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Per row and group: sx = max|x| / 127, xi = round(x / sx), xsum = sx * sum(xi). */
+void w4a8_quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xi, float *sx, float *xsum) {
+    int64_t groups = k / GROUP;
+    for (int64_t m = 0; m < m_rows; m++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *src = x + m * k + g * GROUP;
+            int8_t *dst = xi + m * k + g * GROUP;
+            float amax = 0.0f;
+            for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(src[i]));
+            float scale = amax / 127.0f;
+            float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t total = 0;
+            for (int i = 0; i < GROUP; i++) {
+                int32_t v = (int32_t)nearbyintf(src[i] * inverse);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                dst[i] = (int8_t)v;
+                total += v;
+            }
+            sx[m * groups + g] = scale;
+            xsum[m * groups + g] = scale * (float)total;
+        }
+    }
+}
+
+/* Rows [m0, m0 + rows) of y for the 16 outputs of block nb; rows <= ROW_TILE. */
+static void block_rows(const uint8_t *packed, const float *scales, const float *lows, const int8_t *xi,
+                       const float *sx, const float *xsum, int64_t m0, int rows, int64_t nb, int64_t k,
+                       int64_t n, float *y) {
+    int64_t groups = k / GROUP;
+    const uint8_t *wblock = packed + nb * (k / 8) * 64;
+    const float *sblock = scales + nb * groups * 16;
+    const float *lblock = lows + nb * groups * 16;
+#ifdef __AVX512VNNI__
+    __m512 acc[ROW_TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i dot[ROW_TILE];
+        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        for (int c = 0; c < GROUP / 8; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)(wblock + (g * (GROUP / 8) + c) * 64));
+            __m512i lo = _mm512_and_si512(v, nibble);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            int64_t kk = g * GROUP + c * 8;
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xi + (m0 + r) * k + kk;
+                int32_t first, second;
+                memcpy(&first, xr, 4);
+                memcpy(&second, xr + 4, 4);
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(first));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(second));
+            }
+        }
+        __m512 s = _mm512_loadu_ps(sblock + g * 16);
+        __m512 l = _mm512_loadu_ps(lblock + g * 16);
+        for (int r = 0; r < rows; r++) {
+            int64_t at = (m0 + r) * groups + g;
+            __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(sx[at]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scaled, acc[r]);
+            acc[r] = _mm512_fmadd_ps(l, _mm512_set1_ps(xsum[at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * n + nb * 16, acc[r]);
+#else
+    /* Portable path: the same sums in the same order (fmaf where the vector code fuses). */
+    for (int r = 0; r < rows; r++) {
+        for (int j = 0; j < 16; j++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t dot = 0;
+                for (int c = 0; c < GROUP / 8; c++) {
+                    const uint8_t *bytes = wblock + (g * (GROUP / 8) + c) * 64 + 4 * j;
+                    const int8_t *xr = xi + (m0 + r) * k + g * GROUP + c * 8;
+                    for (int t = 0; t < 4; t++) {
+                        dot += (int32_t)(bytes[t] & 0x0F) * xr[t];
+                        dot += (int32_t)(bytes[t] >> 4) * xr[4 + t];
+                    }
+                }
+                int64_t at = (m0 + r) * groups + g;
+                acc = fmaf((float)dot, sblock[g * 16 + j] * sx[at], acc);
+                acc = fmaf(lblock[g * 16 + j], xsum[at], acc);
+            }
+            y[(m0 + r) * n + nb * 16 + j] = acc;
+        }
+    }
+#endif
+}
+
+/* y (M x N, float32) = x (M x K, float32) W^T; K % 64 == 0, N % 16 == 0. Returns 0, or -1 when out of
+ * memory. */
+int w4a8_linear(const float *x, int64_t m_rows, int64_t k, int64_t n, const uint8_t *packed,
+                const float *scales, const float *lows, float *y, int threads) {
+    int64_t groups = k / GROUP;
+    int8_t *xi = malloc((size_t)(m_rows * k));
+    float *sx = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    float *xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    if (!xi || !sx || !xsum) {
+        free(xi);
+        free(sx);
+        free(xsum);
+        return -1;
+    }
+    w4a8_quantize_rows(x, m_rows, k, xi, sx, xsum);
+    int64_t blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        for (int64_t m0 = 0; m0 < m_rows; m0 += ROW_TILE) {
+            int rows = (int)(m_rows - m0 < ROW_TILE ? m_rows - m0 : ROW_TILE);
+            block_rows(packed, scales, lows, xi, sx, xsum, m0, rows, nb, k, n, y);
+        }
+    }
+    free(xi);
+    free(sx);
+    free(xsum);
+    return 0;
+}
