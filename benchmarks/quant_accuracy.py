@@ -6,7 +6,7 @@
   greedy continuation (teacher-forced, so one flip does not derail the rest), and (b) the fraction of
   64-token greedy continuations identical to bfloat16's, with the mean common-prefix fraction.
 
-Usage: python benchmarks/quant_accuracy.py [--problems 20] [--prompts 8] [--json out.json]
+Usage: python benchmarks/quant_accuracy.py [--problems 20] [--prompts 8] [--levels none,int4] [--json F]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from specexec.engine import generate
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts, package_file
 
-LEVELS = ("none", "int8", "int4")
+LEVELS = ("none", "int8", "int4", "w4a8")
 
 
 def humaneval_texts(n: int) -> list[str]:
@@ -63,8 +63,12 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--levels", default=",".join(LEVELS), help="bfloat16 ('none') first, the reference")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    levels = args.levels.split(",")
+    if levels[0] != "none" or not set(levels) <= set(LEVELS):
+        parser.error(f"--levels: 'none' first, then some of {', '.join(LEVELS[1:])}")
 
     tokenizer = load_tokenizer(DEFAULT_TARGET)
     texts = [tokenizer(t)["input_ids"] for t in humaneval_texts(args.problems)]
@@ -72,7 +76,7 @@ def main() -> None:
     results: dict = {"problems": args.problems, "prompts": args.prompts, "new_tokens": args.new_tokens}
     for name in (DEFAULT_TARGET, DEFAULT_DRAFT):
         reference = None
-        for level in LEVELS:
+        for level in levels:
             model = load_model(name, torch.bfloat16, quant=level)
             row = {"perplexity": perplexity(model, texts)}
             outputs = [
@@ -86,11 +90,7 @@ def main() -> None:
                 )
                 same = [a == b for a, b in zip(outputs, reference, strict=True)]
                 prefix = [
-                    next(
-                        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-                    )
-                    / max(len(a), len(b))
-                    for a, b in zip(outputs, reference, strict=True)
+                    common_prefix(a, b) / max(len(a), len(b)) for a, b in zip(outputs, reference, strict=True)
                 ]
                 row["identical_continuations"] = sum(same) / len(same)
                 row["matching_prefix_fraction"] = sum(prefix) / len(prefix)

@@ -71,14 +71,14 @@ def test_w4a8_kernel_is_its_reference_row_by_row(shape: tuple[int, int], dtype: 
     assert 1e-4 < error < 0.1
 
 
-def test_w4a8_portable_path_gives_the_same_bits_as_the_vector_path() -> None:
+def test_w4a8_portable_path_gives_the_same_bits_as_the_vector_path(monkeypatch) -> None:
     torch.manual_seed(1)
     quant = QuantLinear(nn.Linear(192, 32, bias=False).requires_grad_(False), "w4a8")
     x = torch.randn(11, 192)
     vector = quant(x)
     portable = w4a8_kernel("x86-64")
     assert portable.w4a8_has_vnni() == 0
-    quant.kernel = portable
+    monkeypatch.setattr("specexec.quant.w4a8_kernel", lambda: portable)
     assert torch.equal(quant(x), vector)
 
 

@@ -50,7 +50,7 @@ class QuantError(ValueError):
 
 
 class QuantLinear(nn.Module):
-    """A linear layer with int8 (per channel) or int4 (per group) weights; see the module docstring."""
+    """A linear layer stored as `mode` ("int8", "int4" or "w4a8"); see the module docstring."""
 
     def __init__(self, linear: nn.Linear, mode: str, group_size: int = INT4_GROUP_SIZE) -> None:
         super().__init__()
@@ -67,7 +67,7 @@ class QuantLinear(nn.Module):
                     f"got {self.in_features} x {self.out_features}"
                 )
             self.group_size = W4A8_GROUP_SIZE
-            self.kernel = w4a8_kernel()
+            w4a8_kernel()  # compiled now, so a missing compiler fails at load time
             packed, scales, lows = _w4a8(weight.float())
             self.register_buffer("qweight", packed)  # (N / 16, K / 8, 64) uint8
             self.register_buffer("scales", scales)  # (N / 16, K / 64, 16) float32
@@ -110,17 +110,13 @@ class QuantLinear(nn.Module):
     def _w4a8(self, flat: torch.Tensor) -> torch.Tensor:
         x = flat.float().contiguous()  # (rows, K)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)  # (rows, N)
-        failed = self.kernel.w4a8_linear(
+        failed = w4a8_kernel().w4a8_linear(
             x.data_ptr(), x.shape[0], self.in_features, self.out_features, self.qweight.data_ptr(),
             self.scales.data_ptr(), self.lows.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("w4a8 kernel: out of memory for its activation buffers")
         return out.to(flat.dtype)
-
-    @property
-    def bits(self) -> int:
-        return 8 if self.mode == "int8" else 4
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
