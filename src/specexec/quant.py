@@ -70,7 +70,7 @@ class QuantLinear(nn.Module):
             w4a8_kernel()  # compiled now, so a missing compiler fails at load time
             packed, scales, lows = _w4a8(weight.float())
             self.register_buffer("qweight", packed)  # (N / 16, K / 8, 64) uint8
-            self.register_buffer("scales", scales)  # (N / 16, K / 64, 16) float32
+            self.register_buffer("scales", scales)  # (N / 16, K / 64, 16) float16
             self.register_buffer("lows", lows)
             return
         if mode == "int8":
@@ -151,13 +151,15 @@ def _w4a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     n, k = weight.shape
     groups = weight.reshape(n, k // W4A8_GROUP_SIZE, W4A8_GROUP_SIZE)  # (N, G, 64)
     low, high = groups.amin(-1), groups.amax(-1)  # (N, G)
-    scales = ((high - low) / 15).clamp(min=1e-12)
+    # Rounded to float16 (what the kernel reads) before the codes are chosen against them.
+    low = low.half().float()
+    scales = ((high - low) / 15).clamp(min=1e-6).half().float()
     q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
     q = q.reshape(n // 16, 16, k // 8, 2, 4)  # (N / 16, lane, K / 8, nibble, 4)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # (N / 16, K / 8, lane, 4)
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # (N, G) -> (N / 16, G, 16)
-        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # (N, G) -> (N / 16, G, 16) float16
+        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous().half()
 
     return packed.reshape(n // 16, k // 8, 64).contiguous(), per_block(scales), per_block(low)
 

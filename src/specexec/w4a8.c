@@ -10,7 +10,7 @@
  *
  * Packed weights, per block of 16 outputs and per 8 input channels k0..k0+7: 64 bytes; byte 4j + t holds
  * q[n0 + j, k0 + t] in its low nibble and q[n0 + j, k0 + 4 + t] in its high nibble (j < 16, t < 4).
- * scales and lows: float32 [N / 16][K / 64][16].
+ * scales and lows: float16 [N / 16][K / 64][16] (as llama.cpp stores its block scales).
  */
 #include <math.h>
 #include <stdint.h>
@@ -56,20 +56,21 @@ void w4a8_quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xi, f
 }
 
 /* Rows [m0, m0 + rows) of y for the 16 outputs of block nb; rows <= ROW_TILE. */
-static void block_rows(const uint8_t *packed, const float *scales, const float *lows, const int8_t *xi,
+static void block_rows(const uint8_t *packed, const _Float16 *scales, const _Float16 *lows, const int8_t *xi,
                        const float *sx, const float *xsum, int64_t m0, int rows, int64_t nb, int64_t k,
                        int64_t n, float *y) {
     int64_t groups = k / GROUP;
     const uint8_t *wblock = packed + nb * (k / 8) * 64;
-    const float *sblock = scales + nb * groups * 16;
-    const float *lblock = lows + nb * groups * 16;
+    const _Float16 *sblock = scales + nb * groups * 16;
+    const _Float16 *lblock = lows + nb * groups * 16;
 #ifdef __AVX512VNNI__
     __m512 acc[ROW_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i dot[ROW_TILE];
-        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        /* Low and high nibbles accumulate apart: two independent dependency chains per row. */
+        __m512i dot_lo[ROW_TILE], dot_hi[ROW_TILE];
+        for (int r = 0; r < rows; r++) dot_lo[r] = dot_hi[r] = _mm512_setzero_si512();
         for (int c = 0; c < GROUP / 8; c++) {
             __m512i v = _mm512_loadu_si512((const void *)(wblock + (g * (GROUP / 8) + c) * 64));
             __m512i lo = _mm512_and_si512(v, nibble);
@@ -80,16 +81,17 @@ static void block_rows(const uint8_t *packed, const float *scales, const float *
                 int32_t first, second;
                 memcpy(&first, xr, 4);
                 memcpy(&second, xr + 4, 4);
-                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(first));
-                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(second));
+                dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], lo, _mm512_set1_epi32(first));
+                dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], hi, _mm512_set1_epi32(second));
             }
         }
-        __m512 s = _mm512_loadu_ps(sblock + g * 16);
-        __m512 l = _mm512_loadu_ps(lblock + g * 16);
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sblock + g * 16)));
+        __m512 l = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lblock + g * 16)));
         for (int r = 0; r < rows; r++) {
             int64_t at = (m0 + r) * groups + g;
             __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(sx[at]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scaled, acc[r]);
+            __m512i dot = _mm512_add_epi32(dot_lo[r], dot_hi[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scaled, acc[r]);
             acc[r] = _mm512_fmadd_ps(l, _mm512_set1_ps(xsum[at]), acc[r]);
         }
     }
@@ -110,8 +112,8 @@ static void block_rows(const uint8_t *packed, const float *scales, const float *
                     }
                 }
                 int64_t at = (m0 + r) * groups + g;
-                acc = fmaf((float)dot, sblock[g * 16 + j] * sx[at], acc);
-                acc = fmaf(lblock[g * 16 + j], xsum[at], acc);
+                acc = fmaf((float)dot, (float)sblock[g * 16 + j] * sx[at], acc);
+                acc = fmaf((float)lblock[g * 16 + j], xsum[at], acc);
             }
             y[(m0 + r) * n + nb * 16 + j] = acc;
         }
@@ -122,7 +124,7 @@ static void block_rows(const uint8_t *packed, const float *scales, const float *
 /* y (M x N, float32) = x (M x K, float32) W^T; K % 64 == 0, N % 16 == 0. Returns 0, or -1 when out of
  * memory. */
 int w4a8_linear(const float *x, int64_t m_rows, int64_t k, int64_t n, const uint8_t *packed,
-                const float *scales, const float *lows, float *y, int threads) {
+                const _Float16 *scales, const _Float16 *lows, float *y, int threads) {
     int64_t groups = k / GROUP;
     int8_t *xi = malloc((size_t)(m_rows * k));
     float *sx = malloc(sizeof(float) * (size_t)(m_rows * groups));
