@@ -5,7 +5,7 @@
 # docs/benchmarks.md for the build flags on AMX CPUs).
 set -euo pipefail
 out=${1:-bench-out}
-common=(--quant none,int4 --draft-vocab 32000 --methods ar,sd,dsl,specexec,llamacpp --sd-budgets 2
+common=(--quant none,int4,w4a8 --draft-vocab 32000 --methods ar,sd,dsl,specexec,llamacpp --sd-budgets 2
   --budgets auto --ngram 0,10 --warmup-tokens 8 --no-progress)
 specexec bench --prompts humaneval --n-prompts 4 --max-new-tokens 64 "${common[@]}" --out "$out/quant-humaneval"
 specexec bench --prompts mtbench --n-prompts 3 --max-new-tokens 48 "${common[@]}" --out "$out/quant-mtbench"

@@ -1,4 +1,5 @@
-"""Histogram of the tree sizes `--budget auto` chose per step, from `specexec bench` records.
+"""Histograms of the sizes `--budget auto` chose per step (specexec trees, dsl chains), from `specexec
+bench` records.
 
 python benchmarks/plot_tree_sizes.py OUT.png DIR [DIR ...]     # DIR: a bench --out folder
 """
@@ -11,24 +12,27 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+PANELS = (("specexec@auto", "tree size"), ("dsl@auto", "chain length"))
+
 
 def main() -> None:
     out, folders = sys.argv[1], sys.argv[2:]
-    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
-    ax = fig.add_subplot()
-    for folder in folders:
-        records = [json.loads(line) for line in Path(folder, "records.jsonl").read_text().splitlines()]
-        sizes = [s for r in records if r["label"] == "specexec@auto" for s in r["tree_sizes"]]
-        if sizes:
-            ax.hist(
-                sizes,
-                bins=range(0, max(sizes) + 2),
-                alpha=0.6,
-                label=f"{Path(folder).name} ({len(sizes)} steps)",
-            )
-    ax.set_xlabel("draft tokens verified in the step (tree size chosen by --budget auto)")
-    ax.set_ylabel("steps")
-    ax.legend()
+    fig = Figure(figsize=(6.4, 6.4), layout="constrained")
+    axes = fig.subplots(len(PANELS), 1)
+    for ax, (label, what) in zip(axes, PANELS, strict=True):
+        for folder in folders:
+            records = [json.loads(line) for line in Path(folder, "records.jsonl").read_text().splitlines()]
+            sizes = [s for r in records if r["label"] == label for s in r["tree_sizes"]]
+            if sizes:
+                ax.hist(
+                    sizes,
+                    bins=range(0, max(sizes) + 2),
+                    alpha=0.5,
+                    label=f"{Path(folder).name} ({len(sizes)} steps)",
+                )
+        ax.set_xlabel(f"draft tokens verified in the step ({what} chosen by {label})")
+        ax.set_ylabel("steps")
+        ax.legend(fontsize="small")
     fig.savefig(out, dpi=120)
 
 
