@@ -84,3 +84,14 @@ def test_greedy_is_the_targets_with_a_restricted_draft(arch: str, case: dict) ->
     assert out.tokens == reference
     assert any(token >= 128 for token in reference)  # test design: the target does use cut ids
     assert out.stats.tokens_per_step > 1.2  # and the draft still helps elsewhere
+
+
+def test_a_restricted_draft_gets_its_own_calibration() -> None:
+    from specexec.budget import _calibration_path
+
+    target = quantize_model(tiny_model("qwen2", seed=0, **SHAPE), "int4")
+    full = quantize_model(tiny_model("qwen2", seed=0, **SHAPE), "int4")
+    restricted = quantize_model(restrict_draft_vocab(tiny_model("qwen2", seed=0, **SHAPE), 64), "int4")
+    # Quantized heads hold buffers, not parameters: the parameter count alone cannot tell them apart.
+    assert sum(p.numel() for p in full.parameters()) == sum(p.numel() for p in restricted.parameters())
+    assert _calibration_path(target, full, "") != _calibration_path(target, restricted, "")

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specexec.draft_vocab import draft_vocab_size
 from specexec.models import cache_root
 from specexec.quant import quant_label
 from specexec.runner import ModelRunner, clock
@@ -364,8 +365,9 @@ def cached_cost_model(
 ) -> CostModel:
     """The calibration of this pair on this machine, measured on first use and cached on disk.
 
-    The cache key covers both models (name and size), their dtypes and devices, the thread count and
-    the target's offloading (real or simulated), so a change in any of them calibrates again.
+    The cache key covers both models (name, size, quantization and scored vocabulary), their dtypes and
+    devices, the thread count and the target's offloading (real or simulated), so a change in any of
+    them calibrates again.
     """
     from specexec.offload import offload_label
 
@@ -382,7 +384,8 @@ def cached_cost_model(
 def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: str) -> Path:
     def describe(model: PreTrainedModel) -> str:
         size = sum(p.numel() for p in model.parameters())
-        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant_label(model)}"
+        vocab = draft_vocab_size(model)
+        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant_label(model)}:{vocab}"
 
     key = "|".join([describe(target), describe(draft), str(torch.get_num_threads()), label])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

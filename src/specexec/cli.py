@@ -59,8 +59,9 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         help="weights in memory (default: bfloat16 where the CPU/GPU computes it natively, else float32)",
     )
     quant_help = (
-        "CPU weight-only quantization of target and draft: int8 per channel or int4 per group of 64, on "
-        "PyTorch's low-bit kernels (default none)"
+        "CPU quantization of target and draft: int8 per channel or int4 per group of 64 (weight-only, "
+        "PyTorch's kernels), or w4a8 (4-bit weights x 8-bit activations, a C kernel compiled on first "
+        "use) (default none)"
     )
     if quant_list:
         parser.add_argument(

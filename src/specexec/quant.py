@@ -7,9 +7,9 @@ Every `nn.Linear` of the decoder layers and the LM head becomes a `QuantLinear`,
 - "w4a8": the same 4-bit weights (w = q * s + low, groups of 64) times activations rounded to int8 per
   row and group of 64 on the fly, as llama.cpp's Q4 x Q8 dot products do. One C kernel (w4a8.c,
   compiled on first use, AVX-512 VNNI) does it with exact integer dot products per group; every row is
-  computed the same way whatever the number of rows, so verifying a 16-token tree gives bit for bit the
-  logits of decoding one token at a time, and costs about the same: the weights are read once per block
-  and serve every row from the cache.
+  computed the same way whatever the number of rows, so the linear layers give a tree's rows bit for bit
+  as one-token decoding would, and a block of rows costs far less than that many single rows: the
+  weights are read once per block and serve every row from registers and the cache.
 
 PyTorch's int8/int4 CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read 1/2 or 1/4 of
 the bytes of a bfloat16 weight, which is what a memory-bound single-token decode needs, but their cost
