@@ -98,7 +98,7 @@ def load_model(
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. GGUF sources are converted once into a bf16 cache folder;
     ``dtype`` is only the in-memory dtype. ``offload`` (keyword arguments of
     ``specexec.offload.offload_model``) streams the decoder layers from host memory to the GPU.
-    ``quant`` ("none", "int8", "int4") stores the linear layers in low-bit form for the CPU kernels
+    ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form for the CPU kernels
     (``specexec.quant.quantize_model``). ``vocab`` > 0 makes a draft score only its first ``vocab`` token
     ids, plus its special tokens (``specexec.draft_vocab``).
     """
