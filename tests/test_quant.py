@@ -25,7 +25,7 @@ from specexec.quant import (
 )
 from specexec.sampling import SamplingParams, probs_from_logits
 
-# int4 needs in_features % 32 == 0 and out_features % 16 == 0: hidden 64, vocab 96 fit.
+# int4 and w4a8 need in_features % 64 == 0 and out_features % 16 == 0: hidden 64, vocab 96 fit.
 SHAPE = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2)
 PROMPT = [3, 17, 42, 5, 9, 11, 60, 2, 17, 42]
 NEW = 48

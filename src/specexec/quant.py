@@ -58,15 +58,14 @@ class QuantLinear(nn.Module):
         dtype = weight.dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.mode = mode
-        self.group_size = group_size
+        self.group_size = W4A8_GROUP_SIZE if mode == "w4a8" else group_size
         self.bias = linear.bias
+        if mode in ("int4", "w4a8") and not int4_fits(linear, self.group_size):
+            raise QuantError(
+                f"{mode} needs in_features divisible by {self.group_size} and out_features by 16, "
+                f"got {self.in_features} x {self.out_features}"
+            )
         if mode == "w4a8":
-            if not int4_fits(linear, W4A8_GROUP_SIZE):
-                raise QuantError(
-                    f"w4a8 needs in_features divisible by {W4A8_GROUP_SIZE} and out_features by 16, "
-                    f"got {self.in_features} x {self.out_features}"
-                )
-            self.group_size = W4A8_GROUP_SIZE
             w4a8_kernel()  # compiled now, so a missing compiler fails at load time
             packed, scales, lows = _w4a8(weight.float())
             self.register_buffer("qweight", packed)  # (N / 16, K / 8, 64) uint8
@@ -78,11 +77,6 @@ class QuantLinear(nn.Module):
             self.register_buffer("qweight", qweight)  # (N, K) int8
             self.register_buffer("scales", scales.to(dtype))  # (N,)
         elif mode == "int4":
-            if not int4_fits(linear, group_size):
-                raise QuantError(
-                    f"int4 needs in_features divisible by {group_size} and out_features by 16, "
-                    f"got {self.in_features} x {self.out_features}"
-                )
             qweight, scales_zeros, dequantized = _int4(weight.float(), group_size)
             self.register_buffer("qweight", qweight)  # packed by PyTorch
             self.register_buffer("scales_zeros", scales_zeros.to(dtype))  # (K / group, N, 2)
@@ -133,12 +127,23 @@ def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return qweight, scales, qweight.float() * scales[:, None]
 
 
-def _int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _groupwise_4bit(
+    weight: torch.Tensor, group_size: int, stored: torch.dtype, min_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes q in 0..15 (N, G, group), scale and low (N, G) per output and group of inputs, w ≈ q·s + low.
+    Scale and low are rounded to `stored`, the dtype the kernel reads, before the codes are chosen."""
     n, k = weight.shape
     groups = weight.reshape(n, k // group_size, group_size)  # (N, G, group)
     low, high = groups.amin(-1), groups.amax(-1)  # (N, G)
-    scales = ((high - low) / 15).clamp(min=1e-12)
+    low = low.to(stored).float()
+    scales = ((high - low) / 15).clamp(min=min_scale).to(stored).float()
     q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)  # (N, G, group)
+    return q, scales, low
+
+
+def _int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    q, scales, low = _groupwise_4bit(weight, group_size, torch.float32, min_scale=1e-12)
     zeros = low + 8 * scales  # so that (q - 8) * s + z = q * s + low
     dequantized = ((q - 8) * scales[..., None] + zeros[..., None]).reshape(n, k)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 1)
@@ -149,13 +154,8 @@ def _int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
 def _w4a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack (N, K) float weights as w4a8.c reads them: q (0..15), scale and low per output and group."""
     n, k = weight.shape
-    groups = weight.reshape(n, k // W4A8_GROUP_SIZE, W4A8_GROUP_SIZE)  # (N, G, 64)
-    low, high = groups.amin(-1), groups.amax(-1)  # (N, G)
-    # Rounded to float16 (what the kernel reads) before the codes are chosen against them.
-    low = low.half().float()
-    scales = ((high - low) / 15).clamp(min=1e-6).half().float()
-    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
-    q = q.reshape(n // 16, 16, k // 8, 2, 4)  # (N / 16, lane, K / 8, nibble, 4)
+    q, scales, low = _groupwise_4bit(weight, W4A8_GROUP_SIZE, torch.float16, min_scale=1e-6)
+    q = q.to(torch.uint8).reshape(n // 16, 16, k // 8, 2, 4)  # (N / 16, lane, K / 8, nibble, 4)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # (N / 16, K / 8, lane, 4)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # (N, G) -> (N / 16, G, 16) float16
@@ -253,8 +253,7 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
 
 
 def _quantized(linear: nn.Linear, mode: str, group_size: int) -> QuantLinear:
-    size = W4A8_GROUP_SIZE if mode == "w4a8" else group_size
-    if mode in ("int4", "w4a8") and not int4_fits(linear, size):
+    if mode in ("int4", "w4a8") and not int4_fits(linear, W4A8_GROUP_SIZE if mode == "w4a8" else group_size):
         mode = "int8"
     return QuantLinear(linear, mode, group_size)
 
