@@ -28,6 +28,9 @@ def test_kept_logits_are_the_full_heads_and_the_rest_minus_infinity() -> None:
     assert {*range(40), 200, 250, 230} <= set(kept.tolist())
     assert kept.numel() % 64 == 0 and draft_vocab_size(model) == kept.numel() == 64
     torch.testing.assert_close(reduced[:, kept], full[:, kept])
+    # Padding counts only new ids, also when a kept special id lies right after the first `size`.
+    shifted = restrict_draft_vocab(tiny_model("qwen2", seed=0, **SHAPE), 40, always=[40, 41, 42])
+    assert shifted.get_output_embeddings().kept.numel() == 64
     cut = torch.ones(256, dtype=torch.bool)
     cut[kept] = False
     assert torch.isneginf(reduced[:, cut]).all()

@@ -68,8 +68,8 @@ def restrict_draft_vocab(
     generation = getattr(model, "generation_config", None)
     extra = {*always, *_ids(config.eos_token_id), *_ids(getattr(generation, "eos_token_id", None))}
     kept = {*range(size), *(i for i in extra if 0 <= i < vocab)}
-    kept |= set(range(size, vocab)[: -len(kept) % multiple])
-    kept = sorted(kept)
+    padding = [i for i in range(size, vocab) if i not in kept][: -len(kept) % multiple]
+    kept = sorted(kept.union(padding))
     model.set_output_embeddings(ReducedHead(head, torch.tensor(kept, device=head.weight.device)))
     return model
 
