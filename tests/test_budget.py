@@ -131,20 +131,51 @@ def test_cost_model_interpolates_extrapolates_and_round_trips() -> None:
         CostModel({1: 1.0}, {1: 1.0})
 
 
+def achieving(policy: AutoBudget | ChainCostStop, rate: float) -> None:
+    """Record a drafted step after which the generation's achieved rate (λ) is `rate` tokens/s."""
+    gate, seconds = policy.gate, 10.0
+    gate.record(rate * (gate.seconds + seconds) - gate.tokens, seconds)
+    assert gate.rate == pytest.approx(rate)
+
+
 def test_auto_budget_picks_small_trees_when_verification_cost_grows_and_big_ones_when_flat() -> None:
     probs = torch.tensor(0.97) ** torch.arange(1, 1001)  # best-first acceptance probabilities of the nodes
-    steep_size, _ = AutoBudget(STEEP).best_size(probs, draft_seconds=0.5)
-    flat_size, _ = AutoBudget(FLAT, max_budget=2048).best_size(probs, draft_seconds=0.5)
+    steep, flat = AutoBudget(STEEP), AutoBudget(FLAT, max_budget=2048)
+    achieving(steep, 15.0)  # 4x plain decoding's 3.8 tok/s
+    achieving(flat, 2.0)  # 10x plain decoding's 0.2 tok/s
+    steep_size, _ = steep.best_size(probs, draft_seconds=0.5)
+    flat_size, _ = flat.best_size(probs, draft_seconds=0.5)
     assert 16 <= steep_size <= 128
     assert flat_size >= 2 * steep_size
     # One more draft round: worth it when verification is flat and the frontier is likely, not otherwise.
-    assert AutoBudget(FLAT, max_budget=2048).frontier_size(probs[:64], probs[:32], 0.2, 0.8) > 0
-    assert AutoBudget(STEEP).frontier_size(probs, probs[-32:], 2.0, 0.1) == 0
+    assert flat.frontier_size(probs[:64], probs[:32], 0.2, 0.8) > 0
+    assert steep.frontier_size(probs, probs[-32:], 2.0, 0.1) == 0
+
+
+def test_sizing_maximises_the_generations_rate_not_each_steps_own() -> None:
+    """A node that lowers its own step's tokens/s but pays better than the generation's rate is taken."""
+    cost = CostModel({1: 0.2, 2: 0.2, 3: 0.3}, {1: 0.1, 2: 0.1})  # plain decoding: 5 tok/s
+    probs = torch.tensor([0.9, 0.6])
+    # One node: 1.9 tokens in 0.3 s (6.3/s); two: 2.5 in 0.4 s (6.25/s), but the second node adds 0.6
+    # tokens for 0.1 s, 6/s, more than the 5/s achieved so far.
+    assert AutoBudget(cost).best_size(probs, draft_seconds=0.1)[0] == 2
+    faster = AutoBudget(cost)
+    achieving(faster, 7.0)  # now 6/s no longer pays
+    assert faster.best_size(probs, draft_seconds=0.1)[0] == 1
+    # The same for a chain, with draft passes of 0.05 s and tokens the draft is 95% sure of (accepted
+    # at that rate by the prior): one token, 1.95 in 0.25 s (7.8/s); two, 2.85 in 0.4 s (7.1/s), the
+    # second one adding 0.9 for 0.15 s (6/s).
+    cost = CostModel(cost.target, {1: 0.05, 2: 0.05})
+    chain = ChainCostStop(cost, max_length=2)
+    assert not chain.should_stop(0.95)
+    chain = ChainCostStop(cost, max_length=2)
+    achieving(chain, 7.0)
+    assert chain.should_stop(0.95)
 
 
 def test_auto_budget_expands_narrow_when_wide_draft_passes_cost_more() -> None:
     """A low-bit draft is cheap for a few rows and costs a bfloat16 pass beyond: expand only those few."""
-    target = {1: 0.08, 4: 0.25, 16: 0.27, 64: 0.5}
+    target = {1: 0.08, 4: 0.085, 16: 0.1, 64: 0.5}
     cheap_narrow = CostModel(target, {1: 0.03, 2: 0.045, 3: 0.06, 4: 0.10, 16: 0.11, 64: 0.2})
     flat_draft = CostModel(target, {1: 0.03, 64: 0.031})
     ranked = torch.tensor([0.9, 0.8, 0.7])
@@ -221,8 +252,11 @@ def chain_length(stop: ChainCostStop, confidence: float, limit: int = 20) -> int
 def test_chain_cost_stop_follows_costs_and_confidence() -> None:
     # A draft token at a third of a decode step and verification flat up to 4 tokens: short chains.
     cpu = CostModel({1: 0.26, 4: 0.26, 16: 0.29, 64: 0.58}, {1: 0.09, 64: 0.29})
-    assert 2 <= chain_length(ChainCostStop(cpu), 0.9) <= 8
-    assert chain_length(ChainCostStop(cpu), 0.9) > chain_length(ChainCostStop(cpu), 0.5)
+    fast, slow = ChainCostStop(cpu), ChainCostStop(cpu)
+    achieving(fast, 8.0)  # twice plain decoding's rate
+    assert 2 <= chain_length(fast, 0.9) <= 8
+    assert chain_length(fast, 0.9) > chain_length(fast, 0.5)
+    assert chain_length(slow, 0.9) > chain_length(fast, 0.9)  # the lower the rate, the more a token pays
     # Offloaded: a draft token is nearly free next to a 5 s target pass, so a sure draft runs long.
     assert chain_length(ChainCostStop(FLAT), 0.97) == 20
     # A draft that turns out to be over-confident (nothing accepted) earns shorter chains.

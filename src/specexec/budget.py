@@ -153,7 +153,8 @@ class AcceptanceModel:
 
 
 class SpeculationGate:
-    """Turns drafting off for a while when drafted steps have been slower than plain decoding would be.
+    """Turns drafting off for a while when drafted steps have been slower than plain decoding would be,
+    and keeps the generation's achieved rate λ for the sizing rules.
 
     Each drafted step is recorded with its tokens and its cost-model time; once `window` steps are in,
     if their tokens per second fall below one token per single-token target pass, the next `pause`
@@ -161,12 +162,20 @@ class SpeculationGate:
     resets when it wins. Undrafted steps are plain target steps, so exactness is untouched.
     """
 
-    def __init__(self, cost: CostModel, window: int = 6, pause: int = 4) -> None:
+    def __init__(self, cost: CostModel, window: int = 6, pause: int = 4, prior_steps: int = 2) -> None:
         self.plain_rate = 1.0 / cost.target_seconds(1)
         self.window = window
         self.first_pause = self.pause = pause
         self.paused = 0
         self.history: list[tuple[int, float]] = []
+        # λ starts as `prior_steps` steps of plain decoding, then follows every drafted step.
+        self.tokens = float(prior_steps)
+        self.seconds = prior_steps / self.plain_rate
+
+    @property
+    def rate(self) -> float:
+        """λ: tokens per cost-model second over this generation's drafted steps (plus the prior)."""
+        return self.tokens / self.seconds
 
     def allows(self) -> bool:
         """Whether this step drafts (consumes one paused step when not)."""
@@ -176,6 +185,8 @@ class SpeculationGate:
         return True
 
     def record(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
         self.history.append((tokens, seconds))
         if len(self.history) < self.window:
             return
@@ -191,10 +202,14 @@ class AutoBudget:
     """Chooses the SpecExec tree per step from a cost model and learnt acceptance rates.
 
     A node is accepted with probability P = the product, along its path, of the `AcceptanceModel` rate of
-    each token's conditional draft probability. The tree of size b (the b most likely nodes) is worth
-    E(b) / T(b) tokens per second, with E(b) = 1 + the sum of their P and T(b) = draft time spent + target
-    time for b + 1 tokens. A draft pass continues while expanding some number of the best unexpanded
-    nodes (chosen too) is expected to raise that rate; the verified tree is the b that maximises it.
+    each token's conditional draft probability. The tree of size b (the b most likely nodes) is expected
+    to emit E(b) = 1 + the sum of their P in T(b) = draft time spent + target time for b + 1 tokens.
+    What a generation maximises is its total tokens over its total time, not each step's own E / T: a node
+    is worth adding whenever it pays better than the rate the generation achieves, even if it lowers an
+    already fast step's ratio. So each step maximises the value E(b) - λ T(b), λ being the achieved rate
+    (`SpeculationGate.rate`; Dinkelbach's method for ratio objectives). A draft pass continues while
+    expanding some number of the best unexpanded nodes (chosen too) raises the best value; the verified
+    tree is the b that maximises it.
     """
 
     def __init__(self, cost: CostModel, max_budget: int = 1024) -> None:
@@ -216,28 +231,28 @@ class AutoBudget:
         return log_p.exp()
 
     def best_size(self, ranked_probs: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
-        """(b, rate) maximising E(b) / T(b) over b = 0..len(ranked_probs), nodes best first."""
+        """(b, value) maximising E(b) - λ T(b) over b = 0..len(ranked_probs), nodes best first."""
         gains = torch.cat([torch.ones(1), 1 + ranked_probs.cumsum(0)])  # (n+1,)
-        rates = gains / (draft_seconds + self.target_table[: len(gains)])
-        best = int(rates.argmax())
-        return best, float(rates[best])
+        values = gains - self.gate.rate * (draft_seconds + self.target_table[: len(gains)])  # (n+1,)
+        best = int(values.argmax())
+        return best, float(values[best])
 
     def frontier_size(
         self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_accept: float
     ) -> int:
         """How many of the `frontier` nodes (their P, best first; each one's best child accepted with
-        probability about `child_accept` after it) the next draft pass should expand to raise the rate of
-        the best tree from the `ranked` node P most; 0 when no count raises it. The draft's cost per
+        probability about `child_accept` after it) the next draft pass should expand to raise the value
+        of the best tree from the `ranked` node P most; 0 when no count raises it. The draft's cost per
         pass decides between narrow and wide passes."""
-        size, rate = self.best_size(ranked, draft_seconds)
+        size, value = self.best_size(ranked, draft_seconds)
         gain = 1 + float(ranked[:size].sum())
         counts = torch.arange(1, len(frontier) + 1)  # (F,)
         extra = frontier.cumsum(0) * child_accept  # (F,)
         grown = (size + counts).clamp(max=self.max_budget)
-        pass_seconds = self.draft_table[counts - 1]  # (F,)
-        rates = (gain + extra) / (draft_seconds + pass_seconds + self.target_table[grown])  # (F,)
-        best = int(rates.argmax())
-        return best + 1 if float(rates[best]) > rate else 0
+        seconds = draft_seconds + self.draft_table[counts - 1] + self.target_table[grown]  # (F,)
+        values = gain + extra - self.gate.rate * seconds  # (F,)
+        best = int(values.argmax())
+        return best + 1 if float(values[best]) > value else 0
 
     def observe(self, tree: DraftTree, path: Sequence[int], drafted: int) -> None:
         """Label the verified draft nodes (among the first `drafted`): every child of the root and of an
@@ -257,17 +272,20 @@ def _conditional_probs(tree: DraftTree) -> torch.Tensor:
 
 
 class ChainCostStop:
-    """Stop a draft chain where one more token is expected to lower the step's tokens per second.
+    """Stop a draft chain where drafting on is not expected to pay at the generation's achieved rate.
 
     Draft token i is accepted, given its predecessors were, with the `AcceptanceModel` rate of c_i, the
     draft's own probability for it, learnt from this generation's verifications. A chain of k tokens is
-    then worth E(k) = 1 + sum over j <= k of the products, in T(k) = k single-token draft passes + a
-    target pass over k + 1 tokens (the cost model). The next token is expected to be as likely as the
-    last one.
+    then expected to emit E(k) = 1 + sum over j <= k of the products in T(k) = k single-token draft
+    passes + a target pass over k + 1 tokens (the cost model). As for `AutoBudget`, a chain maximises
+    E(k) - λ T(k), λ the achieved rate; after each token it goes on if some longer chain, up to
+    `max_length`, is worth more, its further tokens assumed as likely as the last one (so a cost curve
+    that jumps once and is flat after does not stop it short).
     """
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, max_length: int = 20) -> None:
         self.cost = cost
+        self.max_length = max_length
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
         self.start()
@@ -284,9 +302,15 @@ class ChainCostStop:
         self.path *= accept
         self.expected += self.path
         self.length += 1
-        k = self.length
-        rate = self.expected / self._seconds(k)
-        return (self.expected + self.path * accept) / self._seconds(k + 1) <= rate
+        rate = self.gate.rate
+        value = self.expected - rate * self._seconds(self.length)
+        path, expected = self.path, self.expected
+        for k in range(self.length + 1, self.max_length + 1):
+            path *= accept
+            expected += path
+            if expected - rate * self._seconds(k) > value:
+                return False
+        return True
 
     def observe(self, confidences: list[float], accepted: int) -> None:
         """The chain's draft probabilities and how many of its tokens were accepted."""

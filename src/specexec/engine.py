@@ -158,7 +158,7 @@ def stream(
     `budget` defaults to DEFAULT_BUDGETS[method] ("auto" for specexec and dsl). For "specexec",
     budget="auto" sizes every step's tree by expected speed, from `cost_model` (by default this pair's
     calibration, measured on first use and cached) and the acceptances seen so far; for "dsl" it also
-    ends each chain where one more token is expected to cost more time than it returns (at most
+    ends each chain where drafting on is not expected to pay at the rate the generation achieves (at most
     DSL_MAX_LENGTH tokens).
     Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
@@ -178,7 +178,7 @@ def stream(
             raise GenerationError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
         cost = cost_model or cached_cost_model(target, draft)
         if method == "dsl":
-            budget, cost_stop = DSL_MAX_LENGTH, ChainCostStop(cost)
+            budget, cost_stop = DSL_MAX_LENGTH, ChainCostStop(cost, DSL_MAX_LENGTH)
         else:
             budget = AutoBudget(cost)
     elif not isinstance(budget, int) or (method != "ar" and budget < 1):
