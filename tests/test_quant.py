@@ -5,6 +5,7 @@ relative to the quantized target's own greedy decoding and sampling distribution
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from specexec.quant import (
     LOW_BIT_MAX_ROWS,
     QuantError,
     QuantLinear,
+    SharedInput,
     quant_label,
     quantize_model,
     w4a8_kernel,
@@ -71,6 +73,14 @@ def test_w4a8_kernel_is_its_reference_row_by_row(shape: tuple[int, int], dtype: 
     assert 1e-4 < error < 0.1
 
 
+def test_w4a8_uses_amx_where_the_cpu_has_it() -> None:
+    """Where AMX exists the block rows above (19 at once vs one at a time) compared its tiles with VNNI."""
+    has_amx = "amx_int8" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    if not has_amx:
+        pytest.skip("no AMX on this CPU")
+    assert w4a8_kernel().w4a8_enable_amx() == 1
+
+
 def test_w4a8_portable_path_gives_the_same_bits_as_the_vector_path(monkeypatch) -> None:
     torch.manual_seed(1)
     quant = QuantLinear(nn.Linear(192, 32, bias=False).requires_grad_(False), "w4a8")
@@ -105,6 +115,37 @@ def test_quantize_model_replaces_linears_and_the_head() -> None:
         quantize_model(tiny_model("qwen2", seed=0, **SHAPE), "int3")
     assert quantize_model(plain := tiny_model("qwen2", seed=0, **SHAPE), "none") is plain
     assert quant_label(plain) == "none"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_w4a8_projections_sharing_an_input_run_as_one_call_with_the_same_bits(arch: str, monkeypatch) -> None:
+    calls = []
+    matmul = specexec.quant._w4a8_matmul
+    monkeypatch.setattr("specexec.quant._w4a8_matmul", lambda *a: calls.append(1) or matmul(*a))
+    shared = quantize_model(tiny_model(arch, seed=0, **SHAPE), "w4a8")
+    with monkeypatch.context() as m:
+        m.setattr("specexec.quant.share_inputs", lambda model: 0)
+        separate = quantize_model(tiny_model(arch, seed=0, **SHAPE), "w4a8")
+    layers = shared.config.num_hidden_layers
+    tokens = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        calls.clear()
+        expected = separate(tokens).logits
+        assert len(calls) == 7 * layers + 1  # q, k, v, o, gate, up, down per layer, and the head
+        calls.clear()
+        got = shared(tokens).logits
+        assert len(calls) == 4 * layers + 1  # q/k/v and gate/up in one call each
+    assert torch.equal(got, expected)
+    # A member called with another input, or twice with one, computes afresh.
+    a, b = (QuantLinear(nn.Linear(64, n).requires_grad_(False), "w4a8") for n in (32, 48))
+    x, y = torch.randn(3, 64), torch.randn(3, 64)
+    with torch.inference_mode():
+        ax, bx, by = a(x), b(x), b(y)
+        SharedInput([a, b])
+        assert a.shared is b.shared and a.qweight.data_ptr() == a.shared.qweight.data_ptr()
+        for got, want in zip([a(x), b(y), a(x), a(x), b(x)], [ax, by, ax, ax, bx], strict=True):
+            assert torch.equal(got, want)
+        assert a.shared.input is None  # both served from x: nothing held
 
 
 @pytest.mark.parametrize("mode", ["int4", "w4a8"])

@@ -13,7 +13,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specexec.sampling import SamplingParams, probs_from_logits, sample, sample_without_replacement
+from specexec.sampling import (
+    NUCLEUS_CANDIDATES,
+    SamplingParams,
+    probs_from_logits,
+    sample,
+    sample_without_replacement,
+)
 
 P_THRESHOLD = 1e-3
 
@@ -282,3 +288,20 @@ def test_sample_without_replacement_order_is_sequential_draws() -> None:
     assert chi2_pvalue(torch.bincount(draws[:, 1], minlength=5), second.float()) > P_THRESHOLD
     # Power: the second draw is clearly not distributed as p.
     assert chi2_pvalue(torch.bincount(draws[:, 1], minlength=5), p) < P_THRESHOLD
+
+
+def test_top_p_over_a_large_vocabulary_is_the_full_sorts_nucleus() -> None:
+    """Past NUCLEUS_CANDIDATES tokens: a peaked row is settled among the candidates, a flat one (which
+    they cannot cover) by the full sort; both equal the nucleus of a full sort."""
+    torch.manual_seed(0)
+    vocab = 5000
+    logits = torch.stack([torch.randn(vocab) * 4, torch.zeros(vocab)])  # (2, V): peaked, flat
+    for top_p in (0.5, 0.9):
+        out = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        full = torch.softmax(logits, -1)
+        ordered, order = full.sort(-1, descending=True)
+        keep = (ordered.cumsum(-1) - ordered) < top_p
+        keep[:, 0] = True
+        expected = torch.zeros_like(full).scatter_(-1, order, ordered * keep)
+        torch.testing.assert_close(out, expected / expected.sum(-1, keepdim=True))
+        assert int((out[0] > 0).sum()) < NUCLEUS_CANDIDATES < int((out[1] > 0).sum())

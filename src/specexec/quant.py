@@ -60,6 +60,7 @@ class QuantLinear(nn.Module):
         self.mode = mode
         self.group_size = W4A8_GROUP_SIZE if mode == "w4a8" else group_size
         self.bias = linear.bias
+        self.shared: SharedInput | None = None  # set by `share_inputs`
         if mode in ("int4", "w4a8") and not int4_fits(linear, self.group_size):
             raise QuantError(
                 f"{mode} needs in_features divisible by {self.group_size} and out_features by 16, "
@@ -87,8 +88,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)  # (rows, K)
-        if self.mode == "w4a8":
-            out = self._w4a8(flat)
+        if self.mode == "w4a8" and self.shared is not None:
+            out = self.shared.output(self, x, flat)
+        elif self.mode == "w4a8":
+            out = _w4a8_matmul(flat, self.qweight, self.scales, self.lows)
         elif rows > LOW_BIT_MAX_ROWS or x.dtype != self.dequantized.dtype:
             return F.linear(x, self.dequantized, self.bias)
         elif self.mode == "int8":
@@ -101,19 +104,82 @@ class QuantLinear(nn.Module):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _w4a8(self, flat: torch.Tensor) -> torch.Tensor:
-        x = flat.float().contiguous()  # (rows, K)
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)  # (rows, N)
-        failed = w4a8_kernel().w4a8_linear(
-            x.data_ptr(), x.shape[0], self.in_features, self.out_features, self.qweight.data_ptr(),
-            self.scales.data_ptr(), self.lows.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        if failed:
-            raise MemoryError("w4a8 kernel: out of memory for its activation buffers")
-        return out.to(flat.dtype)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+def _w4a8_matmul(
+    flat: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor
+) -> torch.Tensor:
+    """flat (rows, K) times packed w4a8 weights of N = 16 * len(qweight) outputs: (rows, N), flat's dtype."""
+    x = flat.float().contiguous()  # (rows, K)
+    out = torch.empty(x.shape[0], 16 * qweight.shape[0], dtype=torch.float32)  # (rows, N)
+    failed = w4a8_kernel().w4a8_linear(
+        x.data_ptr(), x.shape[0], x.shape[1], out.shape[1], qweight.data_ptr(), scales.data_ptr(),
+        lows.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("w4a8 kernel: out of memory for its activation buffers")
+    return out.to(flat.dtype)
+
+
+class SharedInput:
+    """w4a8 layers that read the same input tensor (a decoder layer's q/k/v projections, its MLP's
+    gate/up), run as one kernel call over their concatenated weights: one pass over the activations and
+    one thread launch instead of several, which is most of a small draft's time per layer. The first
+    member called with an input computes every member's output; the others take theirs when called with
+    that same tensor object, and compute afresh otherwise. Bit for bit what separate calls give: the
+    kernel computes each block of 16 outputs on its own. The members' weights become views of the
+    concatenated ones (no second copy).
+    """
+
+    def __init__(self, members: list[QuantLinear]) -> None:
+        self.members = members
+        self.qweight = torch.cat([m.qweight for m in members])  # (sum N / 16, K / 8, 64)
+        self.scales = torch.cat([m.scales for m in members])  # (sum N / 16, K / 64, 16)
+        self.lows = torch.cat([m.lows for m in members])
+        self.columns: dict[int, slice] = {}
+        start = 0
+        for member in members:
+            blocks = slice(start // 16, (start + member.out_features) // 16)
+            member.qweight = self.qweight[blocks]
+            member.scales = self.scales[blocks]
+            member.lows = self.lows[blocks]
+            member.shared = self
+            self.columns[id(member)] = slice(start, start + member.out_features)
+            start += member.out_features
+        self.input: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+        self.taken: set[int] = set()
+
+    def output(self, member: QuantLinear, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """`member`'s output (rows, N_member) for input x (..., K), flattened as `flat` (rows, K)."""
+        if x is not self.input or id(member) in self.taken:
+            self.input, self.taken = x, set()
+            self.out = _w4a8_matmul(flat, self.qweight, self.scales, self.lows)  # (rows, sum N)
+        out = self.out[:, self.columns[id(member)]]
+        self.taken.add(id(member))
+        if len(self.taken) == len(self.members):
+            self.input = self.out = None  # all served: hold no tensors between forwards
+        return out
+
+
+# Sibling projections that read one input in the Llama-style decoder layers (attention, MLP).
+SHARED_INPUT_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def share_inputs(model: nn.Module) -> int:
+    """Group every set of w4a8 sibling layers named in SHARED_INPUT_NAMES into a `SharedInput`; returns
+    how many groups were made."""
+    made = 0
+    for module in model.modules():
+        for names in SHARED_INPUT_NAMES:
+            members = [getattr(module, name, None) for name in names]
+            free = all(isinstance(m, QuantLinear) and m.mode == "w4a8" and m.shared is None for m in members)
+            if free and len({m.in_features for m in members}) == 1:
+                SharedInput(members)
+                made += 1
+    return made
 
 
 def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:
@@ -183,10 +249,19 @@ def w4a8_reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     return activations @ weight.t()
 
 
+def kernel_tag(model: nn.Module) -> str:
+    """What the model's speed depends on besides its quantization mode: the w4a8 kernel's source, so a
+    calibration of an older kernel is not reused."""
+    if quant_label(model) != "w4a8":
+        return ""
+    return hashlib.sha256(Path(__file__).with_name("w4a8.c").read_bytes()).hexdigest()[:8]
+
+
 @functools.cache
 def w4a8_kernel(march: str = "native") -> ctypes.CDLL:
     """The compiled w4a8.c, built with the machine's C compiler on first use and cached per source,
-    flags and CPU (``SPECEXEC_CACHE``/kernels). Without AVX-512 VNNI in `march`, the portable C path."""
+    flags and CPU (``SPECEXEC_CACHE``/kernels). Without AVX-512 VNNI in `march`, the portable C path;
+    with AMX in `march` and granted by the OS, tile instructions for blocks of more than 8 rows."""
     source = Path(__file__).with_name("w4a8.c")
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
@@ -211,6 +286,8 @@ def w4a8_kernel(march: str = "native") -> ctypes.CDLL:
     library.w4a8_linear.argtypes = [pointer, size, size, size, *[pointer] * 4, ctypes.c_int]
     library.w4a8_linear.restype = ctypes.c_int
     library.w4a8_has_vnni.restype = ctypes.c_int
+    library.w4a8_enable_amx.restype = ctypes.c_int
+    library.w4a8_enable_amx()
     return library
 
 
@@ -228,7 +305,8 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
 
     CPU only. The input embedding stays as it is (a lookup reads one row per token); a tied LM head gets
     its own quantized copy. Under int4 and w4a8, a layer whose shape the 4-bit kernel cannot take is
-    stored as int8 (weight-only).
+    stored as int8 (weight-only). Under w4a8, projections that read the same input share one kernel
+    call (`share_inputs`).
     """
     if mode not in QUANT_MODES:
         raise QuantError(f"unknown quantization {mode!r}; choose from {', '.join(QUANT_MODES)}")
@@ -249,6 +327,8 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
             model.set_output_embeddings(_quantized(head, mode, group_size))
         elif isinstance(head, ReducedHead):
             head.linear = _quantized(head.linear, mode, group_size)
+    if mode == "w4a8":
+        share_inputs(model)
     return model
 
 
