@@ -124,7 +124,7 @@ def test_w4a8_projections_sharing_an_input_run_as_one_call_with_the_same_bits(ar
     monkeypatch.setattr("specexec.quant._w4a8_matmul", lambda *a: calls.append(1) or matmul(*a))
     shared = quantize_model(tiny_model(arch, seed=0, **SHAPE), "w4a8")
     with monkeypatch.context() as m:
-        m.setattr("specexec.quant.share_inputs", lambda model: 0)
+        m.setattr("specexec.quant.share_inputs", lambda model: None)
         separate = quantize_model(tiny_model(arch, seed=0, **SHAPE), "w4a8")
     layers = shared.config.num_hidden_layers
     tokens = torch.tensor([PROMPT])

@@ -6,10 +6,11 @@ Every `nn.Linear` of the decoder layers and the LM head becomes a `QuantLinear`,
   PyTorch's int4pack convention): the model is its dequantized weights;
 - "w4a8": the same 4-bit weights (w = q * s + low, groups of 64) times activations rounded to int8 per
   row and group of 64 on the fly, as llama.cpp's Q4 x Q8 dot products do. One C kernel (w4a8.c,
-  compiled on first use, AVX-512 VNNI) does it with exact integer dot products per group; every row is
-  computed the same way whatever the number of rows, so the linear layers give a tree's rows bit for bit
-  as one-token decoding would, and a block of rows costs far less than that many single rows: the
-  weights are read once per block and serve every row from registers and the cache.
+  compiled on first use, AVX-512 VNNI, AMX tiles past 8 rows) does it with exact integer dot products
+  per group; every row is computed the same way whatever the number of rows, so the linear layers give
+  a tree's rows bit for bit as one-token decoding would, and a block of rows costs far less than that
+  many single rows: the weights are read once per block and serve every row from registers and the
+  cache.
 
 PyTorch's int8/int4 CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read 1/2 or 1/4 of
 the bytes of a bfloat16 weight, which is what a memory-bound single-token decode needs, but their cost
@@ -125,8 +126,8 @@ def _w4a8_matmul(
 
 class SharedInput:
     """w4a8 layers that read the same input tensor (a decoder layer's q/k/v projections, its MLP's
-    gate/up), run as one kernel call over their concatenated weights: one pass over the activations and
-    one thread launch instead of several, which is most of a small draft's time per layer. The first
+    gate/up), run as one kernel call over their concatenated weights: one conversion and rounding of the
+    activations and one thread launch instead of two or three. The first
     member called with an input computes every member's output; the others take theirs when called with
     that same tensor object, and compute afresh otherwise. Bit for bit what separate calls give: the
     kernel computes each block of 16 outputs on its own. The members' weights become views of the
@@ -168,18 +169,14 @@ class SharedInput:
 SHARED_INPUT_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def share_inputs(model: nn.Module) -> int:
-    """Group every set of w4a8 sibling layers named in SHARED_INPUT_NAMES into a `SharedInput`; returns
-    how many groups were made."""
-    made = 0
+def share_inputs(model: nn.Module) -> None:
+    """Group every set of w4a8 sibling layers named in SHARED_INPUT_NAMES into a `SharedInput`."""
     for module in model.modules():
         for names in SHARED_INPUT_NAMES:
             members = [getattr(module, name, None) for name in names]
             free = all(isinstance(m, QuantLinear) and m.mode == "w4a8" and m.shared is None for m in members)
             if free and len({m.in_features for m in members}) == 1:
                 SharedInput(members)
-                made += 1
-    return made
 
 
 def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:

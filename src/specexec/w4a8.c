@@ -76,6 +76,16 @@ void w4a8_quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xi, f
     }
 }
 
+#ifdef __AVX512VNNI__
+/* acc + s sx dot + low xsum, for one row, one group and 16 outputs: the float epilogue both vector paths
+ * share, so that VNNI and AMX give the same bits. */
+static inline __m512 add_group(__m512 acc, __m512i dot, __m512 s, __m512 low, float sx, float xsum) {
+    __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(sx));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scaled, acc);
+    return _mm512_fmadd_ps(low, _mm512_set1_ps(xsum), acc);
+}
+#endif
+
 /* Rows [m0, m0 + rows) of y for the 16 outputs of block nb; rows <= ROW_TILE. */
 static void block_rows(const uint8_t *packed, const _Float16 *scales, const _Float16 *lows, const int8_t *xi,
                        const float *sx, const float *xsum, int64_t m0, int rows, int64_t nb, int64_t k,
@@ -110,10 +120,7 @@ static void block_rows(const uint8_t *packed, const _Float16 *scales, const _Flo
         __m512 l = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lblock + g * 16)));
         for (int r = 0; r < rows; r++) {
             int64_t at = (m0 + r) * groups + g;
-            __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(sx[at]));
-            __m512i dot = _mm512_add_epi32(dot_lo[r], dot_hi[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scaled, acc[r]);
-            acc[r] = _mm512_fmadd_ps(l, _mm512_set1_ps(xsum[at]), acc[r]);
+            acc[r] = add_group(acc[r], _mm512_add_epi32(dot_lo[r], dot_hi[r]), s, l, sx[at], xsum[at]);
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * n + nb * 16, acc[r]);
@@ -168,11 +175,12 @@ static void unpack_group(const uint8_t *wblock, int64_t g, uint8_t *codes) {
     for (int c = 0; c < GROUP / 8; c++) {
         __m512i v = _mm512_loadu_si512((const void *)(wblock + (g * (GROUP / 8) + c) * 64));
         _mm512_store_si512((void *)(codes + 2 * c * 64), _mm512_and_si512(v, nibble));
-        _mm512_store_si512((void *)(codes + (2 * c + 1) * 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        _mm512_store_si512((void *)(codes + (2 * c + 1) * 64), high);
     }
 }
 
-/* block_rows' epilogue for group g, the dots of `rows` rows given. */
+/* The epilogue of group g for `rows` rows, from the dots the tile computed. */
 static inline void amx_epilogue(const int32_t *dots, const _Float16 *sblock, const _Float16 *lblock,
                                 const float *sx, const float *xsum, int64_t m0, int rows, int64_t g,
                                 int64_t groups, __m512 *acc) {
@@ -180,17 +188,14 @@ static inline void amx_epilogue(const int32_t *dots, const _Float16 *sblock, con
     __m512 l = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lblock + g * 16)));
     for (int r = 0; r < rows; r++) {
         int64_t at = (m0 + r) * groups + g;
-        __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(sx[at]));
         __m512i dot = _mm512_load_si512((const void *)(dots + r * 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scaled, acc[r]);
-        acc[r] = _mm512_fmadd_ps(l, _mm512_set1_ps(xsum[at]), acc[r]);
+        acc[r] = add_group(acc[r], dot, s, l, sx[at], xsum[at]);
     }
 }
 
 /* Rows [m0, m0 + 16) of y for the 16 outputs of block nb (xi has zero rows up to a multiple of 16; only
- * the first `rows` are stored), from the block's codes unpacked into `codes` (K / 64 tiles of 1 KB):
- * unpacking the whole block first keeps vector stores away from the tile loads that read them, which
- * stall when they follow closely. The epilogue runs group after group, as in block_rows. */
+ * the first `rows` are stored), from the block's codes unpacked once into `codes` (K / 64 tiles of 1 KB)
+ * for all its 16-row tiles. The epilogue runs group after group, as in block_rows. */
 static void block_rows_amx(const uint8_t *codes, const _Float16 *scales, const _Float16 *lows,
                            const int8_t *xi, const float *sx, const float *xsum, int64_t m0, int rows,
                            int64_t nb, int64_t k, int64_t n, float *y) {
