@@ -284,8 +284,10 @@ class ChainCostStop:
     """
 
     def __init__(self, cost: CostModel, max_length: int = 20) -> None:
-        self.cost = cost
         self.max_length = max_length
+        # T(k) for k = 0 .. max_length, looked up for every length after every draft token.
+        draft = cost.draft_seconds(1)
+        self.chain_seconds = [k * draft + cost.target_seconds(k + 1) for k in range(max_length + 1)]
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
         self.start()
@@ -303,12 +305,12 @@ class ChainCostStop:
         self.expected += self.path
         self.length += 1
         rate = self.gate.rate
-        value = self.expected - rate * self._seconds(self.length)
+        value = self.expected - rate * self.chain_seconds[self.length]
         path, expected = self.path, self.expected
         for k in range(self.length + 1, self.max_length + 1):
             path *= accept
             expected += path
-            if expected - rate * self._seconds(k) > value:
+            if expected - rate * self.chain_seconds[k] > value:
                 return False
         return True
 
@@ -318,11 +320,8 @@ class ChainCostStop:
         labels = torch.arange(len(verified)) < accepted
         self.acceptance.observe(torch.tensor(verified), labels)
         if confidences:
-            self.gate.record(accepted + 1, self._seconds(len(confidences)))
+            self.gate.record(accepted + 1, self.chain_seconds[len(confidences)])
         self.start()
-
-    def _seconds(self, k: int) -> float:
-        return k * self.cost.draft_seconds(1) + self.cost.target_seconds(k + 1)
 
 
 # Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
@@ -389,7 +388,7 @@ def cached_cost_model(
 ) -> CostModel:
     """The calibration of this pair on this machine, measured on first use and cached on disk.
 
-    The cache key covers both models (name, size, quantization, the w4a8 kernel's version and scored
+    The cache key covers both models (name, size, quantization, the w4a8 kernel build and scored
     vocabulary), their dtypes and devices, the thread count and the target's offloading (real or
     simulated), so a change in any of them calibrates again.
     """

@@ -59,7 +59,7 @@ class QuantLinear(nn.Module):
         dtype = weight.dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.mode = mode
-        self.group_size = W4A8_GROUP_SIZE if mode == "w4a8" else group_size
+        self.group_size = _group_size(mode, group_size)
         self.bias = linear.bias
         self.shared: SharedInput | None = None  # set by `share_inputs`
         if mode in ("int4", "w4a8") and not int4_fits(linear, self.group_size):
@@ -127,15 +127,14 @@ def _w4a8_matmul(
 class SharedInput:
     """w4a8 layers that read the same input tensor (a decoder layer's q/k/v projections, its MLP's
     gate/up), run as one kernel call over their concatenated weights: one conversion and rounding of the
-    activations and one thread launch instead of two or three. The first
-    member called with an input computes every member's output; the others take theirs when called with
-    that same tensor object, and compute afresh otherwise. Bit for bit what separate calls give: the
+    activations and one thread launch instead of two or three. The first member called with an input
+    computes every member's output; the others take theirs when called with that same tensor object, and
+    compute afresh otherwise. Bit for bit what separate calls give: the
     kernel computes each block of 16 outputs on its own. The members' weights become views of the
     concatenated ones (no second copy).
     """
 
     def __init__(self, members: list[QuantLinear]) -> None:
-        self.members = members
         self.qweight = torch.cat([m.qweight for m in members])  # (sum N / 16, K / 8, 64)
         self.scales = torch.cat([m.scales for m in members])  # (sum N / 16, K / 64, 16)
         self.lows = torch.cat([m.lows for m in members])
@@ -160,7 +159,7 @@ class SharedInput:
             self.out = _w4a8_matmul(flat, self.qweight, self.scales, self.lows)  # (rows, sum N)
         out = self.out[:, self.columns[id(member)]]
         self.taken.add(id(member))
-        if len(self.taken) == len(self.members):
+        if len(self.taken) == len(self.columns):
             self.input = self.out = None  # all served: hold no tensors between forwards
         return out
 
@@ -247,11 +246,25 @@ def w4a8_reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
 
 
 def kernel_tag(model: nn.Module) -> str:
-    """What the model's speed depends on besides its quantization mode: the w4a8 kernel's source, so a
-    calibration of an older kernel is not reused."""
+    """What the model's speed depends on besides its quantization mode: under w4a8, the kernel build
+    (source, compiler, flags, CPU), so a calibration of another build is not reused."""
     if quant_label(model) != "w4a8":
         return ""
-    return hashlib.sha256(Path(__file__).with_name("w4a8.c").read_bytes()).hexdigest()[:8]
+    return _kernel_build("native")[2].stem
+
+
+def _kernel_build(march: str) -> tuple[str, list[str], Path]:
+    """The compiler, flags and cached library path of w4a8.c for `march`; the path names a hash of the
+    source, the compiler and flags, and the CPU."""
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        raise QuantError("--quant w4a8 compiles a small C kernel on first use: install gcc (or set CC)")
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared"]
+    source = Path(__file__).with_name("w4a8.c").read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join([compiler, *flags]).encode(), _cpu_description().encode()])
+    ).hexdigest()[:16]
+    return compiler, flags, cache_root() / "kernels" / f"w4a8-{key}.so"
 
 
 @functools.cache
@@ -259,15 +272,8 @@ def w4a8_kernel(march: str = "native") -> ctypes.CDLL:
     """The compiled w4a8.c, built with the machine's C compiler on first use and cached per source,
     flags and CPU (``SPECEXEC_CACHE``/kernels). Without AVX-512 VNNI in `march`, the portable C path;
     with AMX in `march` and granted by the OS, tile instructions for blocks of more than 8 rows."""
+    compiler, flags, path = _kernel_build(march)
     source = Path(__file__).with_name("w4a8.c")
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        raise QuantError("--quant w4a8 compiles a small C kernel on first use: install gcc (or set CC)")
-    flags = ["-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared"]
-    key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join([compiler, *flags]).encode(), _cpu_description().encode()])
-    ).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"w4a8-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -330,9 +336,14 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
 
 
 def _quantized(linear: nn.Linear, mode: str, group_size: int) -> QuantLinear:
-    if mode in ("int4", "w4a8") and not int4_fits(linear, W4A8_GROUP_SIZE if mode == "w4a8" else group_size):
+    if mode in ("int4", "w4a8") and not int4_fits(linear, _group_size(mode, group_size)):
         mode = "int8"
     return QuantLinear(linear, mode, group_size)
+
+
+def _group_size(mode: str, group_size: int) -> int:
+    """The group along K a mode quantizes by: w4a8's is fixed by its kernel."""
+    return W4A8_GROUP_SIZE if mode == "w4a8" else group_size
 
 
 def quant_label(model: nn.Module) -> str:

@@ -180,19 +180,6 @@ static void unpack_group(const uint8_t *wblock, int64_t g, uint8_t *codes) {
     }
 }
 
-/* The epilogue of group g for `rows` rows, from the dots the tile computed. */
-static inline void amx_epilogue(const int32_t *dots, const _Float16 *sblock, const _Float16 *lblock,
-                                const float *sx, const float *xsum, int64_t m0, int rows, int64_t g,
-                                int64_t groups, __m512 *acc) {
-    __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sblock + g * 16)));
-    __m512 l = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lblock + g * 16)));
-    for (int r = 0; r < rows; r++) {
-        int64_t at = (m0 + r) * groups + g;
-        __m512i dot = _mm512_load_si512((const void *)(dots + r * 16));
-        acc[r] = add_group(acc[r], dot, s, l, sx[at], xsum[at]);
-    }
-}
-
 /* Rows [m0, m0 + 16) of y for the 16 outputs of block nb (xi has zero rows up to a multiple of 16; only
  * the first `rows` are stored), from the block's codes unpacked once into `codes` (K / 64 tiles of 1 KB)
  * for all its 16-row tiles. The epilogue runs group after group, as in block_rows. */
@@ -211,7 +198,13 @@ static void block_rows_amx(const uint8_t *codes, const _Float16 *scales, const _
         _tile_loadd(2, codes + g * 1024, 64);
         _tile_dpbsud(0, 1, 2);
         _tile_stored(0, dots, 64);
-        amx_epilogue(dots, sblock, lblock, sx, xsum, m0, rows, g, groups, acc);
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sblock + g * 16)));
+        __m512 l = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lblock + g * 16)));
+        for (int r = 0; r < rows; r++) {
+            int64_t at = (m0 + r) * groups + g;
+            __m512i dot = _mm512_load_si512((const void *)(dots + r * 16));
+            acc[r] = add_group(acc[r], dot, s, l, sx[at], xsum[at]);
+        }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * n + nb * 16, acc[r]);
 }
