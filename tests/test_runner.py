@@ -11,7 +11,8 @@ import torch
 from tiny_models import tiny_model
 
 from specexec.drafters.base import tree_forward
-from specexec.runner import ModelRunner
+from specexec.native import NativeDecoder, native_unsupported
+from specexec.runner import HFForward, ModelRunner
 from specexec.tree import DraftTree
 
 VOCAB = 96
@@ -177,7 +178,8 @@ def test_keep_in_place_prefix_is_a_truncation() -> None:
 
 
 def layer_kv(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]
+    layers = runner.model.config.num_hidden_layers
+    return [tuple(t.clone() for t in runner.backend.layer_kv(i)) for i in range(layers)]
 
 
 @pytest.mark.parametrize(
@@ -190,8 +192,9 @@ def layer_kv(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ([4, 5, 6], 4),  # already in place: nothing moves
     ],
 )
-def test_move(src: list[int], dst_start: int) -> None:
-    model = model_for("gemma3")
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])  # Hugging Face's forward, the native one
+def test_move(src: list[int], dst_start: int, arch: str) -> None:
+    model = model_for(arch)
     runner = ModelRunner(model, 24)
     runner.extend(torch.tensor(SEQ[:16]))
     runner.forward_tree(  # positions differing from slots, so that slot_positions must move too
@@ -208,10 +211,10 @@ def test_move(src: list[int], dst_start: int) -> None:
     dst = list(range(dst_start, dst_start + len(src)))
     untouched = [s for s in range(24) if s not in dst]
     for (k0, v0), (k1, v1) in zip(before, after, strict=True):
-        assert torch.equal(k1[:, :, dst], k0[:, :, src])
-        assert torch.equal(v1[:, :, dst], v0[:, :, src])
-        assert torch.equal(k1[:, :, untouched], k0[:, :, untouched])
-        assert torch.equal(v1[:, :, untouched], v0[:, :, untouched])
+        assert torch.equal(k1[:, dst], k0[:, src])
+        assert torch.equal(v1[:, dst], v0[:, src])
+        assert torch.equal(k1[:, untouched], k0[:, untouched])
+        assert torch.equal(v1[:, untouched], v0[:, untouched])
     assert runner.slot_positions[dst].tolist() == positions[src].tolist()
     assert runner.length == length
 
@@ -242,3 +245,38 @@ def test_capacity_overflow_raises() -> None:
     runner.extend(torch.tensor(SEQ[:6]))
     with pytest.raises(RuntimeError, match="overflow"):
         runner.extend(torch.tensor(SEQ[6:10]))
+
+
+def test_forward_choice() -> None:
+    """The native forward where it computes the model exactly; Hugging Face's wherever it might not."""
+    assert isinstance(ModelRunner(model_for("llama"), 8).backend, NativeDecoder)
+    assert isinstance(ModelRunner(model_for("qwen2"), 8).backend, NativeDecoder)
+    for arch in ("gemma2", "gemma3", "mistral"):  # other layers; a sliding window
+        assert isinstance(ModelRunner(model_for(arch), 8).backend, HFForward)
+    assert isinstance(ModelRunner(model_for("llama"), 8, native=False).backend, HFForward)
+    model = model_for("llama")
+    handle = model.register_forward_hook(lambda *args: None)  # as simulated offloading does
+    try:
+        assert native_unsupported(model) == "hooks on the model's forward (simulated offloading)"
+        assert isinstance(ModelRunner(model, 8).backend, HFForward)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_tree_forward_matches_hugging_face(arch: str) -> None:
+    """A tree block after a prefix: both forwards give the same logits, and the same KV at every slot."""
+    model = model_for(arch)
+    runners = [ModelRunner(model, 32, native=native) for native in (True, False)]
+    tokens, positions = torch.tensor(SEQ[20:25]), torch.tensor([20, 21, 21, 22, 22])
+    allowed = torch.ones(5, 25, dtype=torch.bool)
+    allowed[:, 20:] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                    [1, 0, 1, 0, 1]], dtype=torch.bool)  # fmt: skip
+    logits = []
+    for runner in runners:
+        runner.extend(torch.tensor(SEQ[:20]))
+        logits.append(runner.forward_tree(tokens, positions, torch.arange(20, 25), allowed))
+    assert_logits_close(logits[0], logits[1])
+    for (k0, v0), (k1, v1) in zip(layer_kv(runners[0]), layer_kv(runners[1]), strict=True):
+        torch.testing.assert_close(k0[:, :25], k1[:, :25], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v0[:, :25], v1[:, :25], atol=1e-5, rtol=1e-5)

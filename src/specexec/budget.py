@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from specexec.draft_vocab import draft_vocab_size
 from specexec.models import cache_root
+from specexec.native import native_unsupported
 from specexec.quant import kernel_tag, quant_label
 from specexec.runner import ModelRunner, clock
 from specexec.tree import DraftTree
@@ -388,9 +389,9 @@ def cached_cost_model(
 ) -> CostModel:
     """The calibration of this pair on this machine, measured on first use and cached on disk.
 
-    The cache key covers both models (name, size, quantization, the w4a8 kernel build and scored
-    vocabulary), their dtypes and devices, the thread count and the target's offloading (real or
-    simulated), so a change in any of them calibrates again.
+    The cache key covers both models (name, size, quantization, the w4a8 kernel build, scored
+    vocabulary and which forward runs them), their dtypes and devices, the thread count and the
+    target's offloading (real or simulated), so a change in any of them calibrates again.
     """
     from specexec.offload import offload_label
 
@@ -409,7 +410,8 @@ def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: st
         size = sum(p.numel() for p in model.parameters())
         vocab = draft_vocab_size(model)
         quant = f"{quant_label(model)}{kernel_tag(model)}"
-        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant}:{vocab}"
+        forward = "hf" if native_unsupported(model) else "native"
+        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant}:{vocab}:{forward}"
 
     key = "|".join([describe(target), describe(draft), str(torch.get_num_threads()), label])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

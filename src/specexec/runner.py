@@ -15,6 +15,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specexec.native import NativeDecoder, native_unsupported
+
 
 class _SlotLayer(CacheLayerMixin):
     """One layer's keys and values in a fixed buffer; writes go to the slots its `SlotCache` names."""
@@ -43,7 +45,7 @@ class _SlotLayer(CacheLayerMixin):
         return self.cache.attend_width, 0
 
     def get_seq_length(self) -> int:
-        return self.cache.length
+        return self.cache.attend_width  # positions are always given, so this is informational
 
     def get_max_length(self) -> int:
         return self.cache.capacity
@@ -60,22 +62,19 @@ class SlotCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         self.capacity = capacity
-        self.length = 0
         self.write_slots = torch.zeros(0, dtype=torch.long)
         self.attend_width = 0
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
 
-class ModelRunner:
-    """Drives one Hugging Face causal LM with a `SlotCache`: `extend`, `forward_tree`, `keep`."""
+class HFForward:
+    """A model's own Hugging Face forward over a `SlotCache`, for every model `NativeDecoder` cannot run."""
 
-    def __init__(self, model: PreTrainedModel, capacity: int) -> None:
+    def __init__(self, model: PreTrainedModel, capacity: int, slot_positions: torch.Tensor) -> None:
         self.model = model
-        self.device = model.device
-        self.capacity = capacity
         config = model.config.get_text_config()
         self.cache = SlotCache(config.num_hidden_layers, capacity)
-        self.slot_positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.slot_positions = slot_positions  # the runner's, for sliding windows
         # Masks are additive, in the model's own dtype: eager attention adds them to the scores.
         self.mask_min = torch.finfo(model.dtype).min
         self.sliding_window = getattr(config, "sliding_window", None)
@@ -84,74 +83,35 @@ class ModelRunner:
         self.all_sliding = self.sliding_window is not None and not layer_types
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.forward_seconds = 0.0  # time inside the model's forward, for the stats' time split
-        # A draft may have fewer embedding rows than the target's vocabulary; the ids it cannot read
-        # only cost it accuracy (the target decides), so they are clamped instead of crashing.
-        self.last_token_id = model.get_input_embeddings().num_embeddings - 1
 
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    def extend(self, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
-        """Append `tokens` (n,) to the committed sequence; returns logits (m, V) of the kept rows."""
-        n = tokens.numel()
-        start = self.length
-        slots = torch.arange(start, start + n, device=self.device)  # (n,)
-        width = start + n
-        allowed = torch.arange(width, device=self.device)[None, :] <= slots[:, None]  # (n, width) causal
-        logits = self.forward_tree(tokens, slots, slots, allowed, logits_to_keep)
-        self.cache.length = width
-        return logits
-
-    def forward_tree(
+    def forward(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
         allowed: torch.Tensor,
-        logits_to_keep: int | torch.Tensor = 0,
+        logits_to_keep: int | torch.Tensor,
     ) -> torch.Tensor:
-        """Forward tokens (n,) at `positions` (n,) into KV `slots` (n,) where row i may attend to the slots
-        j < width with allowed[i, j] (n, width). Does not change the committed length.
-
-        Returns logits (m, V) in the model's dtype for `logits_to_keep` (0 = all rows, k = last k rows,
-        or a tensor of row indices).
-        """
         width = allowed.shape[1]
-        if width > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {width} > {self.capacity} slots")
-        self.slot_positions[slots] = positions
         self.cache.write_slots = slots
         self.cache.attend_width = width
-        start = clock(self.device)
         out = self.model(
-            input_ids=tokens.clamp(max=self.last_token_id)[None],
+            input_ids=tokens[None],
             position_ids=positions[None],
             attention_mask=self._masks(allowed, positions, width),
             use_cache=True,
             logits_to_keep=logits_to_keep,
             **{self.cache_kwarg: self.cache},
         )
-        self.forward_seconds += clock(self.device) - start
         return out.logits[0]  # (m, V)
 
-    def keep(self, slots: torch.Tensor) -> None:
-        """Make the cache hold exactly `slots` (in order) at [0, len(slots)); the new committed length."""
-        self.move(slots, 0)
-        self.cache.length = slots.numel()
-
-    def move(self, src: torch.Tensor, dst_start: int) -> None:
-        """Copy the KV of slots `src` (in order) to [dst_start, dst_start + len(src)); lengths unchanged."""
-        dst = torch.arange(dst_start, dst_start + src.numel(), device=src.device)
-        moved = (src != dst).nonzero()
-        if not moved.numel():
-            return
-        first = int(moved[0])  # the part already in place is not copied
-        src, dst_start = src[first:], dst_start + first
+    def gather(self, src: torch.Tensor, dst_start: int) -> None:
         for layer in self.cache.layers:
             layer.gather(src, dst_start)
-        self.slot_positions[dst_start : dst_start + src.numel()] = self.slot_positions[src].clone()
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s key and value buffers, (H_kv, capacity, D) each."""
+        return self.cache.layers[layer].keys[0], self.cache.layers[layer].values[0]
 
     def _masks(self, allowed: torch.Tensor, positions: torch.Tensor, width: int):
         full = self._additive(allowed)
@@ -165,8 +125,82 @@ class ModelRunner:
         return {"full_attention": full, "sliding_attention": windowed}
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device)
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=allowed.device)
         return mask.masked_fill_(~allowed, self.mask_min)[None, None]  # (1, 1, n, width)
+
+
+class ModelRunner:
+    """Drives one causal LM over slot-addressed KV buffers: `extend`, `forward_tree`, `keep`.
+
+    The forward is `NativeDecoder` where it supports the model (and `native` is not False), else the
+    model's own Hugging Face forward (`HFForward`).
+    """
+
+    def __init__(self, model: PreTrainedModel, capacity: int, native: bool = True) -> None:
+        self.model = model
+        self.device = model.device
+        self.capacity = capacity
+        self.length = 0
+        self.slot_positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        use_native = native and not native_unsupported(model)
+        self.backend: NativeDecoder | HFForward = (
+            NativeDecoder(model, capacity) if use_native else HFForward(model, capacity, self.slot_positions)
+        )
+        self.forward_seconds = 0.0  # time inside the model's forward, for the stats' time split
+        # A draft may have fewer embedding rows than the target's vocabulary; the ids it cannot read
+        # only cost it accuracy (the target decides), so they are clamped instead of crashing.
+        self.last_token_id = model.get_input_embeddings().num_embeddings - 1
+
+    def extend(self, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
+        """Append `tokens` (n,) to the committed sequence; returns logits (m, V) of the kept rows."""
+        n = tokens.numel()
+        start = self.length
+        slots = torch.arange(start, start + n, device=self.device)  # (n,)
+        width = start + n
+        allowed = torch.arange(width, device=self.device)[None, :] <= slots[:, None]  # (n, width) causal
+        logits = self.forward_tree(tokens, slots, slots, allowed, logits_to_keep)
+        self.length = width
+        return logits
+
+    def forward_tree(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        allowed: torch.Tensor,
+        logits_to_keep: int | torch.Tensor = 0,
+    ) -> torch.Tensor:
+        """Forward tokens (n,) at `positions` (n,) into KV `slots` (n,) where row i may attend to the slots
+        j < width with allowed[i, j] (n, width). Does not change the committed length.
+
+        Returns logits (m, V) for `logits_to_keep` (0 = all rows, k = last k rows, or a tensor of row
+        indices).
+        """
+        width = allowed.shape[1]
+        if width > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {width} > {self.capacity} slots")
+        self.slot_positions[slots] = positions
+        start = clock(self.device)
+        tokens = tokens.clamp(max=self.last_token_id)
+        logits = self.backend.forward(tokens, positions, slots, allowed, logits_to_keep)
+        self.forward_seconds += clock(self.device) - start
+        return logits
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Make the cache hold exactly `slots` (in order) at [0, len(slots)); the new committed length."""
+        self.move(slots, 0)
+        self.length = slots.numel()
+
+    def move(self, src: torch.Tensor, dst_start: int) -> None:
+        """Copy the KV of slots `src` (in order) to [dst_start, dst_start + len(src)); lengths unchanged."""
+        dst = torch.arange(dst_start, dst_start + src.numel(), device=src.device)
+        moved = (src != dst).nonzero()
+        if not moved.numel():
+            return
+        first = int(moved[0])  # the part already in place is not copied
+        src, dst_start = src[first:], dst_start + first
+        self.backend.gather(src, dst_start)
+        self.slot_positions[dst_start : dst_start + src.numel()] = self.slot_positions[src].clone()
 
 
 def clock(device: torch.device) -> float:
