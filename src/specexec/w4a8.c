@@ -29,6 +29,12 @@
 #endif
 
 #define GROUP 64
+/* Software prefetch distance along the packed weights (and their scales), which every thread reads in
+ * one sequential stream. Without it a one-row pass waited on memory and computed by turns, reaching half
+ * the DRAM bandwidth of a 2-core CPU; 8 KB ahead (measured 4-16 KB: best at 8) overlaps the two. A
+ * prefetch past the end is harmless: it never faults. */
+#define PREFETCH_BYTES 8192
+#define PREFETCH_GROUPS (PREFETCH_BYTES / (GROUP / 8 * 64) + 1)
 #define ROW_TILE 8
 #define AMX_ROWS 16
 #define AMX_MIN_ROWS (ROW_TILE + 1) /* up to ROW_TILE rows, one VNNI pass over the weights is as fast */
@@ -102,8 +108,12 @@ static void block_rows(const uint8_t *packed, const _Float16 *scales, const _Flo
         /* Low and high nibbles accumulate apart: two independent dependency chains per row. */
         __m512i dot_lo[ROW_TILE], dot_hi[ROW_TILE];
         for (int r = 0; r < rows; r++) dot_lo[r] = dot_hi[r] = _mm512_setzero_si512();
+        _mm_prefetch((const char *)(sblock + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(lblock + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T0);
         for (int c = 0; c < GROUP / 8; c++) {
-            __m512i v = _mm512_loadu_si512((const void *)(wblock + (g * (GROUP / 8) + c) * 64));
+            const uint8_t *chunk = wblock + (g * (GROUP / 8) + c) * 64;
+            _mm_prefetch((const char *)(chunk + PREFETCH_BYTES), _MM_HINT_T0);
+            __m512i v = _mm512_loadu_si512((const void *)chunk);
             __m512i lo = _mm512_and_si512(v, nibble);
             __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             int64_t kk = g * GROUP + c * 8;
@@ -173,7 +183,9 @@ static void amx_configure(void) {
 static void unpack_group(const uint8_t *wblock, int64_t g, uint8_t *codes) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < GROUP / 8; c++) {
-        __m512i v = _mm512_loadu_si512((const void *)(wblock + (g * (GROUP / 8) + c) * 64));
+        const uint8_t *chunk = wblock + (g * (GROUP / 8) + c) * 64;
+        _mm_prefetch((const char *)(chunk + PREFETCH_BYTES), _MM_HINT_T0);
+        __m512i v = _mm512_loadu_si512((const void *)chunk);
         _mm512_store_si512((void *)(codes + 2 * c * 64), _mm512_and_si512(v, nibble));
         __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
         _mm512_store_si512((void *)(codes + (2 * c + 1) * 64), high);
