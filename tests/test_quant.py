@@ -15,6 +15,7 @@ from torch import nn
 
 import specexec
 from specexec.budget import CostModel
+from specexec.native import NativeDecoder
 from specexec.quant import (
     LOW_BIT_MAX_ROWS,
     QuantError,
@@ -241,3 +242,49 @@ def test_quantized_sampling_matches_the_quantized_target(method: str, mode: str)
     assert chi2_pvalue(counts, exact_joint(target)) > P_THRESHOLD
     # Negative control: the same draws are recognisably not the unquantized model's distribution.
     assert chi2_pvalue(counts, exact_joint(plain)) < P_THRESHOLD
+
+
+def block_forward(decoder: NativeDecoder, tokens: list[int], positions: list[int], start: int, allowed):
+    slots = torch.arange(start, start + len(tokens))
+    return decoder.forward(torch.tensor(tokens), torch.tensor(positions), slots, allowed, 0)  # (n, V)
+
+
+def causal(start: int, n: int) -> torch.Tensor:
+    return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]  # (n, start + n)
+
+
+def tree_rows_equal_path_decoding(model, n: int, attention_dtype: torch.dtype | None) -> bool:
+    """After n prompt tokens, whether a 6-node tree's logits on one root-to-leaf path equal, bit for bit,
+    those of decoding that path one token at a time."""
+    prefix = [(7 * i + 3) % 96 for i in range(n)]
+    tokens, parents = [5, 8, 9, 13, 21, 34], [-1, 0, 0, 1, 2, 4]  # two branches; node 5 under 0 -> 2 -> 4
+    depths = [0, 1, 1, 2, 2, 3]
+    allowed = torch.zeros(6, n + 6, dtype=torch.bool)
+    allowed[:, :n] = True
+    for node in range(6):
+        ancestor = node
+        while ancestor >= 0:
+            allowed[node, n + ancestor] = True
+            ancestor = parents[ancestor]
+    path = [0, 2, 4, 5]
+    tree, one_by_one = (NativeDecoder(model, n + 8, attention_dtype) for _ in range(2))
+    for decoder in (tree, one_by_one):
+        block_forward(decoder, prefix, list(range(n)), 0, causal(0, n))
+    tree_logits = block_forward(tree, tokens, [n + d for d in depths], n, allowed)[path]
+    path_logits = torch.cat([
+        block_forward(one_by_one, [tokens[node]], [n + i], n + i, causal(n + i, 1))
+        for i, node in enumerate(path)
+    ])  # fmt: skip
+    return torch.equal(tree_logits, path_logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_w4a8_tree_rows_are_one_token_decoding_bit_for_bit(arch: str) -> None:
+    """Under w4a8 every operation of the native forward gives a row the same bits whatever the block, the
+    attention because it runs in float64: a tree node's logits equal those of decoding its path one token
+    at a time. Control: with float32 attention, some prompt lengths give different bits."""
+    model = quantize_model(tiny_model(arch, seed=0, **SHAPE), "w4a8")
+    assert NativeDecoder(model, 8).attention_dtype == torch.float64
+    lengths = (100, 140, 200, 300)
+    assert all(tree_rows_equal_path_decoding(model, n, None) for n in lengths)
+    assert not all(tree_rows_equal_path_decoding(model, n, torch.float32) for n in lengths)

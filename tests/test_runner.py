@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from specexec.drafters.base import tree_forward
-from specexec.native import NativeDecoder, native_unsupported
+from specexec.native import NativeDecoder, forward_label, native_unsupported
 from specexec.runner import HFForward, ModelRunner
 from specexec.tree import DraftTree
 
@@ -254,6 +254,8 @@ def test_forward_choice() -> None:
     for arch in ("gemma2", "gemma3", "mistral"):  # other layers; a sliding window
         assert isinstance(ModelRunner(model_for(arch), 8).backend, HFForward)
     assert isinstance(ModelRunner(model_for("llama"), 8, native=False).backend, HFForward)
+    assert forward_label(model_for("llama")) == "native, float32 attention"
+    assert forward_label(model_for("gemma2")) == "hf"
     model = model_for("llama")
     handle = model.register_forward_hook(lambda *args: None)  # as simulated offloading does
     try:

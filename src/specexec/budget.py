@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from specexec.draft_vocab import draft_vocab_size
 from specexec.models import cache_root
-from specexec.native import native_unsupported
+from specexec.native import forward_label
 from specexec.quant import kernel_tag, quant_label
 from specexec.runner import ModelRunner, clock
 from specexec.tree import DraftTree
@@ -410,7 +410,7 @@ def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: st
         size = sum(p.numel() for p in model.parameters())
         vocab = draft_vocab_size(model)
         quant = f"{quant_label(model)}{kernel_tag(model)}"
-        forward = "hf" if native_unsupported(model) else "native"
+        forward = forward_label(model)
         return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant}:{vocab}:{forward}"
 
     key = "|".join([describe(target), describe(draft), str(torch.get_num_threads()), label])
