@@ -218,6 +218,33 @@ def test_records_stream_to_a_file(target, draft, tokenizer, prompts, tmp_path: P
     assert sorted(live, key=lambda r: (r["prompt_index"], r["method"])) == result.records
 
 
+def test_repeats_time_the_same_runs_again(target, draft, tokenizer, prompts, tmp_path: Path) -> None:
+    configs = [BenchConfig("ar"), BenchConfig("sd", 2), BenchConfig("specexec", 4)]
+    path = tmp_path / "live.jsonl"
+    result = run_benchmark(
+        target, draft, tokenizer, prompts[:2], configs, max_new_tokens=4, warmup_tokens=0,
+        progress=False, records_path=path, repeats=3,
+    )  # fmt: skip
+    live = read_records(path)
+    assert len(live) == 3 * 2 * 3
+    orders = [[r["label"] for r in live[i : i + 3]] for i in range(0, len(live), 3)]
+    forward = [["ar", "sd@2", "specexec@4"], ["sd@2", "specexec@4", "ar"]]  # rotated per prompt
+    assert orders == forward + [o[::-1] for o in forward] + forward
+    assert [r["repeat"] for r in live] == [0] * 6 + [1] * 6 + [2] * 6
+    first = {(r["label"], r["prompt_index"]): r["tokens"] for r in live if r["repeat"] == 0}
+    assert all(r["tokens"] == first[r["label"], r["prompt_index"]] for r in live)  # same seed, same tokens
+    single = run_benchmark(
+        target, draft, tokenizer, prompts[:2], configs, max_new_tokens=4, warmup_tokens=0, progress=False,
+    )  # fmt: skip
+    for row, once in zip(result.rows, single.rows, strict=True):
+        assert (row["prompts"], row["repeats"], once["repeats"]) == (2, 3, 1)
+        assert row["new_tokens"] == 3 * once["new_tokens"] and row["target_calls"] == 3 * once["target_calls"]
+        assert row["tokens_per_step"] == once["tokens_per_step"]
+        assert row["identical_to_ar"] is True
+    with pytest.raises(BenchError, match="repeats must be >= 1"):
+        run_benchmark(target, draft, tokenizer, prompts[:1], configs, repeats=0, progress=False)
+
+
 def test_records_interleaving_and_recompute(greedy, tmp_path: Path) -> None:
     configs, result = greedy
     records = result.records

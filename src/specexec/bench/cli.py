@@ -149,6 +149,13 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         default=16,
         help="warm-up generation length per configuration, on the first prompt, not counted (0 = none)",
     )
+    p.add_argument(
+        "--repeats",
+        type=_int_at_least(1),
+        default=1,
+        help="time every (prompt, configuration) run this many times, the order reversed on every other "
+        "pass over the prompts; rows sum all repeats (default 1)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--out", required=True, help="output folder")
     return p
@@ -223,6 +230,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         top_k=args.top_k,
         seed=args.seed,
         warmup_tokens=args.warmup_tokens,
+        repeats=args.repeats,
         progress=not args.no_progress,
         records_path=Path(args.out) / "records.jsonl",  # rewritten in order at the end
         quantized=quantized,

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from itertools import product
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -239,6 +240,7 @@ def run_benchmark(
     top_k: int = 0,
     seed: int = 0,
     warmup_tokens: int = 16,
+    repeats: int = 1,
     eos_token_id: Sequence[int] | None = None,
     progress: bool = True,
     records_path: str | os.PathLike | None = None,
@@ -250,7 +252,10 @@ def run_benchmark(
     `target`/`draft` run the configurations of their own quantization level; `quantized` maps the other
     levels to their pairs. `llamacpp` is a `specexec.bench.llamacpp.LlamaCpp`, for the llamacpp method.
     `eos_token_id` defaults to `eos_token_ids(target, tokenizer)`; the same ids go to every method.
-    `warmup_tokens` = 0 skips the warm-up. With `records_path`, each record is also appended to that JSONL
+    `warmup_tokens` = 0 skips the warm-up. `repeats` > 1 runs every (prompt, configuration) pair that many
+    times with the same seed, so the same tokens, timed again: repeat r goes through the prompts again
+    with each prompt's configuration order reversed on odd r, so a drift in machine speed during the run
+    weighs on every configuration alike. With `records_path`, each record is also appended to that JSONL
     file as soon as it is measured, so an interrupted run keeps what it measured.
     """
     from specexec.bench.report import summarize
@@ -259,6 +264,8 @@ def run_benchmark(
     prompts = list(prompts)
     pairs = {quant_label(target): (target, draft), **(quantized or {})}
     _check(pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens)
+    if repeats < 1:
+        raise BenchError(f"repeats must be >= 1, got {repeats}")
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
 
@@ -277,14 +284,15 @@ def run_benchmark(
             run(config, prompts[0], min(warmup_tokens, max_new_tokens), seed)
 
     records = []
-    total = len(prompts) * len(configs)
+    total = repeats * len(prompts) * len(configs)
     bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress)
     with ExitStack() as stack:
         stack.enter_context(bar)
         sink = stack.enter_context(open(records_path, "w", encoding="utf-8")) if records_path else None
-        for index, prompt in enumerate(prompts):
+        for repeat, (index, prompt) in product(range(repeats), enumerate(prompts)):
             shift = index % len(configs)
-            for order, config in enumerate(configs[shift:] + configs[:shift]):
+            ordered = configs[shift:] + configs[:shift]
+            for order, config in enumerate(ordered[::-1] if repeat % 2 else ordered):
                 bar.set_postfix_str(f"{prompt.id} {config.label}", refresh=False)
                 measured = run(config, prompt, max_new_tokens, seed + index)
                 records.append(
@@ -295,6 +303,7 @@ def run_benchmark(
                         "prompt_index": index,
                         "prompt_id": prompt.id,
                         "seed": seed + index,
+                        "repeat": repeat,
                         "order": order,
                         **measured,
                     }
@@ -303,7 +312,7 @@ def run_benchmark(
                     sink.write(json.dumps(records[-1]) + "\n")
                     sink.flush()
                 bar.update()
-    records.sort(key=lambda r: (r["prompt_index"], configs.index(_config_of(r))))
+    records.sort(key=lambda r: (r["prompt_index"], r["repeat"], configs.index(_config_of(r))))
     return BenchResult(records, summarize(records), configs)
 
 

@@ -1,6 +1,6 @@
 """From raw per-prompt records to the per-configuration table, results.json, results.md and the plots.
 
-Metric definitions (per configuration, summed over prompts, warm-up excluded):
+Metric definitions (per configuration, summed over prompts and repeats, warm-up excluded):
 
 - tokens_per_step: new tokens / target verification forwards, the bonus token included, prefill
   excluded (total over total); tokens_per_step_mean is the mean of the per-prompt ratios.
@@ -73,7 +73,8 @@ def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
     first = group[0]
     row: dict = {k: first.get(k) for k in _CONFIG_KEYS + _SETTING_KEYS}
     row["quant"] = row["quant"] or "none"
-    row["prompts"] = len(group)
+    row["prompts"] = len({r["prompt_index"] for r in group})
+    row["repeats"] = 1 + max(r.get("repeat", 0) for r in group)
     for key in _SUMS:
         row[key] = sum(r[key] for r in group)
     decode = row["decode_seconds"]
@@ -100,14 +101,18 @@ def _identity(group: list[dict], reference: dict[int, list[int]]) -> dict:
     comparable = group[0]["temperature"] == 0 and all(r["prompt_index"] in reference for r in group)
     if not comparable:
         return {"identical_to_ar": None, "identical_prompts_fraction": None, "matching_prefix_fraction": None}
-    same, prefixes = [], []
+    same: dict[int, bool] = {}  # per prompt: every repeat's output equals ar's
+    prefixes: dict[int, float] = {}  # per prompt: the shortest common prefix over its repeats
     for r in group:
-        ours, ref = r["tokens"], reference[r["prompt_index"]]
-        same.append(ours == ref)
+        index, ours = r["prompt_index"], r["tokens"]
+        ref = reference[index]
         common = next(
             (i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref))
         )
-        prefixes.append(common / max(len(ours), len(ref)) if max(len(ours), len(ref)) else 1.0)
+        prefix = common / max(len(ours), len(ref)) if max(len(ours), len(ref)) else 1.0
+        same[index] = same.get(index, True) and ours == ref
+        prefixes[index] = min(prefixes.get(index, 1.0), prefix)
+    same, prefixes = list(same.values()), list(prefixes.values())
     return {
         "identical_to_ar": all(same),
         "identical_prompts_fraction": sum(same) / len(same),
@@ -216,7 +221,7 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "",
         f"Target `{m('target')}`, draft `{m('draft')}`, prompts `{m('prompt_set')}` "
         f"({_plural(first.get('prompts', 0), 'prompt')}), max_new_tokens {first.get('max_new_tokens')}, "
-        f"{sampling}, seed {m('seed')}, dtype {m('dtype')}.",
+        f"{sampling}, seed {m('seed')}, dtype {m('dtype')}, {_plural(first.get('repeats', 1), 'repeat')}.",
         "",
         "| config | tok/call | tok/call (mean per prompt) | decode tok/s | tok/s incl. prefill "
         "| speedup vs ar | draft / target / overhead | tree size | tree depth | target calls | new tokens "
@@ -254,7 +259,9 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "- decode tok/s: new tokens / decode seconds summed over prompts; tok/s incl. prefill: new tokens / "
         "wall seconds of the whole calls. Speedup: decode tok/s over ar's, same run.",
         "- Every configuration ran on the same prompts with the same seed per prompt, interleaved (the order "
-        "rotated per prompt), after a warm-up generation per configuration that is not counted.",
+        "rotated per prompt), after a warm-up generation per configuration that is not counted. With "
+        "`--repeats R` every prompt ran R times per configuration (same seed, same tokens; the order "
+        "reversed on every other pass) and each row sums all R.",
         "- hf-assisted / hf-lookup are Hugging Face `generate` (assistant_model at its default dynamic "
         "settings; prompt_lookup_num_tokens=10), timed by the same clock; target/draft forwards are counted "
         "and timed by forward hooks. generate folds the prompt into its first target forward, so the "
