@@ -340,35 +340,44 @@ def calibrate(
 ) -> CostModel:
     """Time a forward of n new tokens after a `context`-token prefix, per size: the median of `repeats`
     runs (2 from 256 tokens up, where a run is long and steady), then the closest non-decreasing curve,
-    since a larger forward never costs less and timing noise must not make the policies think so."""
-    jobs = [(target, n) for n in TARGET_SIZES] + [(draft, n) for n in DRAFT_SIZES]
+    since a larger forward never costs less and timing noise must not make the policies think so.
+
+    The sizes take turns (one run of every size, then the next round), after one warm-up round: the
+    policies weigh sizes against each other, so a drift in machine speed during the calibration must
+    move the whole curve, not bend it.
+    """
+    models = {"target": target, "draft": draft}
+    jobs = [("target", n) for n in TARGET_SIZES] + [("draft", n) for n in DRAFT_SIZES]
     runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
+    rounds = [[job for job in jobs if runs[job[1]] > r] for r in range(max(runs.values()))]
     bar = tqdm(
-        total=sum(runs[n] for _, n in jobs),
+        total=sum(len(jobs) for jobs in rounds),
         desc="calibrating forward costs",
         disable=not progress,
         leave=False,
     )
-    runners = {id(m): ModelRunner(m, context + max(TARGET_SIZES)) for m in (target, draft)}
+    runners = {name: ModelRunner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
     generator = torch.Generator().manual_seed(0)
-    vocab = min(m.config.get_text_config().vocab_size for m in (target, draft))
-    times: dict[int, dict[int, float]] = {id(target): {}, id(draft): {}}
+    vocab = min(m.config.get_text_config().vocab_size for m in models.values())
+    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
     with torch.inference_mode():
-        for model, n in jobs:
-            runner = runners[id(model)]
-            if runner.length < context:
-                runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(model.device))
-            samples = []
-            for _ in range(runs[n] + 1):  # the first run of each size warms up
-                runner.keep(torch.arange(context, device=model.device))
-                tokens = torch.randint(0, vocab, (n,), generator=generator).to(model.device)
-                start = clock(model.device)
+        for runner in runners.values():
+            runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
+        for warmup, round_ in [(True, jobs)] + [(False, r) for r in rounds]:
+            for name, n in round_:
+                runner = runners[name]
+                runner.keep(torch.arange(context, device=runner.device))
+                tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
+                start = clock(runner.device)
                 runner.extend(tokens, logits_to_keep=n)
-                samples.append(clock(model.device) - start)
-                bar.update(1 if len(samples) > 1 else 0)
-            times[id(model)][n] = statistics.median(samples[1:])
+                if not warmup:
+                    samples[name, n].append(clock(runner.device) - start)
+                    bar.update()
     bar.close()
-    return CostModel(non_decreasing(times[id(target)]), non_decreasing(times[id(draft)]), label)
+    curves = {
+        name: {n: statistics.median(samples[name, n]) for (m, n) in jobs if m == name} for name in models
+    }
+    return CostModel(non_decreasing(curves["target"]), non_decreasing(curves["draft"]), label)
 
 
 def non_decreasing(points: dict[int, float]) -> dict[int, float]:
