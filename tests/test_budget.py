@@ -241,6 +241,36 @@ def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) 
     assert cached_cost_model(target, draft).target == first.target
 
 
+def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatch) -> None:
+    """The machine slows down steadily while calibrating: every forward costs its size times a factor that
+    grows with each forward. Sizes measured one after another would come out in the wrong proportions
+    (the last sizes timed at the slowest); taking turns keeps them."""
+    from specexec import budget
+
+    now = [0.0]
+
+    class DriftingRunner:
+        forwards = 0
+
+        def __init__(self, model, capacity) -> None:
+            self.device = torch.device("cpu")
+
+        def extend(self, tokens, logits_to_keep=1) -> None:
+            DriftingRunner.forwards += 1
+            now[0] += tokens.numel() * (1 + 0.05 * DriftingRunner.forwards)
+
+        def keep(self, slots) -> None:
+            pass
+
+    monkeypatch.setattr(budget, "ModelRunner", DriftingRunner)
+    monkeypatch.setattr(budget, "clock", lambda device: now[0])
+    target, draft, _ = models
+    cost = budget.calibrate(target, draft, progress=False)
+    for curve in (cost.target, cost.draft):
+        per_token = [seconds / n for n, seconds in curve.items()]
+        assert max(per_token) < 1.5 * min(per_token), curve
+
+
 def chain_length(stop: ChainCostStop, confidence: float, limit: int = 20) -> int:
     stop.start()
     for k in range(1, limit + 1):

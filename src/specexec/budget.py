@@ -349,7 +349,10 @@ def calibrate(
     models = {"target": target, "draft": draft}
     jobs = [("target", n) for n in TARGET_SIZES] + [("draft", n) for n in DRAFT_SIZES]
     runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
-    rounds = [[job for job in jobs if runs[job[1]] > r] for r in range(max(runs.values()))]
+    first = {n: (repeats - runs[n]) // 2 for n in runs}  # sizes timed fewer times take the middle rounds
+    rounds = [
+        [job for job in jobs if first[job[1]] <= r < first[job[1]] + runs[job[1]]] for r in range(repeats)
+    ]
     bar = tqdm(
         total=sum(len(jobs) for jobs in rounds),
         desc="calibrating forward costs",
