@@ -26,6 +26,8 @@ import torch
 
 from specexec import generate
 from specexec.budget import ChainCostStop, ConfidenceStop, CostModel
+from specexec.drafters import ChainDrafter
+from specexec.engine import DSL_MAX_LENGTH
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts
 from specexec.runner import ModelRunner
@@ -78,25 +80,19 @@ class Fixed:
 
 
 class Dsl:
-    """What `--method dsl` does with budget auto: the cost rule, its gate and the confidence rule."""
+    """What `--method dsl` does with budget auto: the engine's own chain drafter and its stopping rules."""
 
     def __init__(self, cost: CostModel, confidence_rule: bool = True) -> None:
-        self.cost_stop = ChainCostStop(cost)
-        self.confidence_stop = ConfidenceStop() if confidence_rule else None
+        stop = ConfidenceStop() if confidence_rule else None
+        self.chain = ChainDrafter(DSL_MAX_LENGTH, stop=stop, cost_stop=ChainCostStop(cost, DSL_MAX_LENGTH))
 
     def __call__(self, confidences: list[float]) -> int:
-        if not self.cost_stop.gate.allows():
+        if not self.chain.drafts_now():
             return 0
-        for k, confidence in enumerate(confidences, 1):
-            stop = self.confidence_stop is not None and self.confidence_stop.should_stop(confidence)
-            if self.cost_stop.should_stop(confidence) or stop:
-                return k
-        return len(confidences)
+        return next((k for k, c in enumerate(confidences, 1) if self.chain.ends_chain(c)), len(confidences))
 
     def observe(self, confidences: list[float], accepted: int) -> None:
-        self.cost_stop.observe(confidences, accepted)
-        if self.confidence_stop is not None:
-            self.confidence_stop.observe(confidences, accepted)
+        self.chain.observe_confidences(confidences, accepted)
 
 
 class Threshold:

@@ -347,14 +347,13 @@ def calibrate(
     move the whole curve, not bend it.
     """
     models = {"target": target, "draft": draft}
-    jobs = [("target", n) for n in TARGET_SIZES] + [("draft", n) for n in DRAFT_SIZES]
+    sizes = {"target": TARGET_SIZES, "draft": DRAFT_SIZES}
+    jobs = [(name, n) for name in models for n in sizes[name]]
     runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
     first = {n: (repeats - runs[n]) // 2 for n in runs}  # sizes timed fewer times take the middle rounds
-    rounds = [
-        [job for job in jobs if first[job[1]] <= r < first[job[1]] + runs[job[1]]] for r in range(repeats)
-    ]
+    rounds = [[(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)]
     bar = tqdm(
-        total=sum(len(jobs) for jobs in rounds),
+        total=sum(map(len, rounds)),
         desc="calibrating forward costs",
         disable=not progress,
         leave=False,
@@ -362,7 +361,7 @@ def calibrate(
     runners = {name: ModelRunner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
     generator = torch.Generator().manual_seed(0)
     vocab = min(m.config.get_text_config().vocab_size for m in models.values())
-    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
     with torch.inference_mode():
         for runner in runners.values():
             runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
@@ -374,13 +373,13 @@ def calibrate(
                 start = clock(runner.device)
                 runner.extend(tokens, logits_to_keep=n)
                 if not warmup:
-                    samples[name, n].append(clock(runner.device) - start)
+                    samples[name][n].append(clock(runner.device) - start)
                     bar.update()
     bar.close()
-    curves = {
-        name: {n: statistics.median(samples[name, n]) for (m, n) in jobs if m == name} for name in models
-    }
-    return CostModel(non_decreasing(curves["target"]), non_decreasing(curves["draft"]), label)
+    target_curve, draft_curve = (
+        non_decreasing({n: statistics.median(times) for n, times in samples[name].items()}) for name in models
+    )
+    return CostModel(target_curve, draft_curve, label)
 
 
 def non_decreasing(points: dict[int, float]) -> dict[int, float]:

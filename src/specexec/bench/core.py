@@ -263,9 +263,9 @@ def run_benchmark(
     configs = list(configs)
     prompts = list(prompts)
     pairs = {quant_label(target): (target, draft), **(quantized or {})}
-    _check(pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens)
-    if repeats < 1:
-        raise BenchError(f"repeats must be >= 1, got {repeats}")
+    _check(
+        pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
+    )
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
 
@@ -322,7 +322,7 @@ def _config_of(record: dict) -> BenchConfig:
 
 
 def _check(
-    pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens
+    pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
 ) -> None:
     if not prompts:
         raise BenchError("no prompts to run")
@@ -336,6 +336,8 @@ def _check(
         raise BenchError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if warmup_tokens < 0:
         raise BenchError(f"warmup_tokens must be >= 0, got {warmup_tokens}")
+    if repeats < 1:
+        raise BenchError(f"repeats must be >= 1, got {repeats}")
     try:
         SamplingParams(temperature, top_k, top_p)
     except ValueError as e:

@@ -40,7 +40,7 @@ class ChainDrafter(DrafterBase):
         draft = Draft(tree)
         steps = TreeDraftRunner(request, tree)
         length = min(self.schedule.length if self.schedule else self.length, self.max_length)
-        if self.cost_stop is not None and not self.cost_stop.gate.allows():
+        if not self.drafts_now():
             length = 0
         node = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         for i in range(min(length, request.max_depth)):
@@ -55,20 +55,33 @@ class ChainDrafter(DrafterBase):
                 # Under greedy decoding q is one-hot; the draft's own softmax says how sure it is.
                 confidence = torch.softmax(logits[0], -1) if request.sampling.greedy else q[0]
                 draft.confidences.append(float(confidence[token]))
-                stop = self.stop is not None and self.stop.should_stop(draft.confidences[-1])
-                if self.cost_stop is not None and self.cost_stop.should_stop(draft.confidences[-1]):
-                    stop = True
-                if stop:
+                if self.ends_chain(draft.confidences[-1]):
                     break
         draft.draft_calls = steps.calls
         return draft
+
+    def drafts_now(self) -> bool:
+        """Whether this step drafts at all (the cost stop's gate may pause drafting)."""
+        return self.cost_stop is None or self.cost_stop.gate.allows()
+
+    def ends_chain(self, confidence: float) -> bool:
+        """Whether the token just drafted, the draft's probability for it being `confidence`, is the
+        chain's last. Both rules see every token (the cost stop keeps the chain's running estimate)."""
+        by_confidence = self.stop is not None and self.stop.should_stop(confidence)
+        by_cost = self.cost_stop is not None and self.cost_stop.should_stop(confidence)
+        return by_confidence or by_cost
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:
         accepted = len(path)
         if self.schedule is not None:
             self.schedule.observe(draft.tree.size - 1, accepted)
             self.schedule.length = min(self.schedule.length, self.max_length)
+        self.observe_confidences(draft.confidences, accepted)
+
+    def observe_confidences(self, confidences: list[float], accepted: int) -> None:
+        """What the stopping rules learn from a verified chain: its tokens' draft probabilities and how
+        many of them were accepted."""
         if self.stop is not None:
-            self.stop.observe(draft.confidences, accepted)
+            self.stop.observe(confidences, accepted)
         if self.cost_stop is not None:
-            self.cost_stop.observe(draft.confidences, accepted)
+            self.cost_stop.observe(confidences, accepted)
