@@ -17,7 +17,7 @@ from specexec.draft_vocab import draft_vocab_size
 from specexec.models import cache_root
 from specexec.native import forward_label
 from specexec.quant import kernel_tag, quant_label
-from specexec.runner import ModelRunner, clock
+from specexec.runner import clock, make_runner
 from specexec.tree import DraftTree
 
 
@@ -358,7 +358,7 @@ def calibrate(
         disable=not progress,
         leave=False,
     )
-    runners = {name: ModelRunner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
+    runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
     generator = torch.Generator().manual_seed(0)
     vocab = min(m.config.get_text_config().vocab_size for m in models.values())
     samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
@@ -418,6 +418,8 @@ def cached_cost_model(
 
 def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: str) -> Path:
     def describe(model: PreTrainedModel) -> str:
+        if getattr(model, "backend", "torch") == "llamacpp":
+            return model.describe()
         size = sum(p.numel() for p in model.parameters())
         vocab = draft_vocab_size(model)
         quant = f"{quant_label(model)}{kernel_tag(model)}"

@@ -58,6 +58,23 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         default=None,
         help="weights in memory (default: bfloat16 where the CPU/GPU computes it natively, else float32)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="torch (Hugging Face models: fp32/bf16, --quant, offloading) or llamacpp (a GGUF run by "
+        "llama.cpp's kernels, needs specexec[llamacpp]); auto: llamacpp for GGUF sources when it is "
+        "installed and no torch-only option is given (default auto)",
+    )
+    parser.add_argument(
+        "--draft-backend", choices=BACKENDS, default=None, help="the draft's backend (default: --backend)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads for both backends (default: PyTorch's default, the number of cores)",
+    )
     quant_help = (
         "CPU quantization of target and draft: int8 per channel or int4 per group of 64 (weight-only, "
         "PyTorch's kernels), or w4a8 (4-bit weights x 8-bit activations, a C kernel compiled on first "
@@ -112,6 +129,9 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         help="no GPU: charge each target forward max(compute, streamed bytes / GBPS GB/s); timings are "
         "SIMULATED",
     )
+
+
+BACKENDS = ("auto", "torch", "llamacpp")
 
 
 def _quant_list(text: str) -> list[str]:
@@ -230,24 +250,51 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = None):
-    """Tokenizer, target and draft (None unless `need_draft`) as the model arguments ask; the target is
-    offloaded or its offloading simulated if requested (the label is left in `args.simulated`).
-    `quant` overrides --quant (the bench loads one pair per level)."""
+    """Tokenizer, target and draft (None unless `need_draft`) as the model arguments ask, each on its
+    backend (`args.backends` records them); a torch target is offloaded or its offloading simulated if
+    requested (the label is left in `args.simulated`). `quant` overrides --quant (the bench loads one
+    pair per level)."""
     import torch
 
-    from specexec.models import check_same_vocab, default_dtype, load_model, load_tokenizer
+    from specexec.models import (
+        check_same_vocab,
+        choose_backend,
+        default_dtype,
+        load_llamacpp_model,
+        load_model,
+        load_tokenizer,
+    )
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype()
     quant = quant or args.quant
+    draft_quant = args.draft_quant or quant
+    shared = [f"--dtype {args.dtype}"] if args.dtype else []
+    offload = None
+    if args.offload or args.gpu_memory or args.quant_offload:
+        offload = {"ring_size": args.ring_size, "gpu_memory": args.gpu_memory, "codec": args.quant_offload}
+    target_only = [f"--quant {quant}"] if quant != "none" else []
+    target_only += ["--offload"] if offload else []
+    target_only += ["--simulate-offload-gbps"] if args.simulate_offload_gbps is not None else []
+    draft_only = [f"--quant {draft_quant}"] if draft_quant != "none" else []
+    draft_only += ["--draft-vocab"] if args.draft_vocab else []
+    target_backend = choose_backend(args.backend, args.target, shared + target_only)
+    draft_backend = choose_backend(args.draft_backend or args.backend, args.draft, shared + draft_only)
+    args.backends = {"target": target_backend, "draft": draft_backend if need_draft else None}
+
     tokenizer = load_tokenizer(args.target)
     draft = None
     if need_draft:
         check_same_vocab(tokenizer, load_tokenizer(args.draft))
-        draft = load_model(args.draft, dtype, quant=args.draft_quant or quant, vocab=args.draft_vocab)
-    offload = None
-    if args.offload or args.gpu_memory or args.quant_offload:
-        offload = {"ring_size": args.ring_size, "gpu_memory": args.gpu_memory, "codec": args.quant_offload}
-    target = load_model(args.target, dtype, offload=offload, quant=quant)
+        if draft_backend == "llamacpp":
+            draft = load_llamacpp_model(args.draft, args.threads)
+        else:
+            draft = load_model(args.draft, dtype, quant=draft_quant, vocab=args.draft_vocab)
+    if target_backend == "llamacpp":
+        target = load_llamacpp_model(args.target, args.threads)
+    else:
+        target = load_model(args.target, dtype, offload=offload, quant=quant)
     args.simulated = None
     if args.simulate_offload_gbps is not None:
         from specexec.offload import simulate_offload
@@ -257,6 +304,12 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
     if draft is not None and target.device.type == "cuda":
         draft = draft.to(target.device)  # the draft stays resident on the GPU
     return tokenizer, target, draft
+
+
+def backend_label(args: argparse.Namespace) -> str:
+    """ "llamacpp", "torch", or "target llamacpp, draft torch" for the stats line."""
+    target, draft = args.backends["target"], args.backends["draft"]
+    return target if draft in (None, target) else f"target {target}, draft {draft}"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -302,7 +355,7 @@ def _generate(args: argparse.Namespace) -> int:
     stats = chunk.stats
     simulated = f"[{args.simulated}] " if args.simulated else ""
     print(
-        f"{simulated}[{args.method}] {stats.new_tokens} tokens in {elapsed:.2f} s | "
+        f"{simulated}[{args.method}, {backend_label(args)}] {stats.new_tokens} tokens in {elapsed:.2f} s | "
         f"{stats.tokens_per_step:.2f} tokens/step over {stats.target_calls} target calls | "
         f"decode {stats.decode_tokens_per_second:.2f} tok/s | prefill {stats.prefill_seconds:.2f} s | "
         f"draft {stats.draft_seconds:.2f} s, target {stats.target_seconds:.2f} s, "

@@ -26,7 +26,7 @@ from specexec.drafters import (
 )
 from specexec.drafters.base import tree_forward
 from specexec.models import eos_token_ids
-from specexec.runner import ModelRunner, clock
+from specexec.runner import clock, make_runner
 from specexec.sampling import SamplingParams
 from specexec.verify import cache_walk, rejection_walk
 
@@ -40,6 +40,7 @@ AUTO_METHODS = ("specexec", "dsl")  # the methods whose budget may be "auto" (si
 # measured on this machine, the one default that suits both a CPU and an offloaded GPU.
 DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": "auto", "specinfer": 32, "specexec": "auto"}
 DSL_MAX_LENGTH = 20  # the longest dsl chain under budget "auto"
+AUTO_MAX_BUDGET = 1024  # the largest tree budget "auto" considers
 
 
 class GenerationError(ValueError):
@@ -171,7 +172,10 @@ def stream(
         raise GenerationError(f"method {method!r} needs a draft model")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(ngram, int) or ngram < 0:
+        raise GenerationError(f"ngram must be an integer >= 0, got {ngram!r}")
     budget = DEFAULT_BUDGETS[method] if budget is None else budget
+    leaf_limit = tree_leaf_limit(target, draft)
     cost_stop = None
     if budget == "auto":
         if method not in AUTO_METHODS:
@@ -180,15 +184,18 @@ def stream(
         if method == "dsl":
             budget, cost_stop = DSL_MAX_LENGTH, ChainCostStop(cost, DSL_MAX_LENGTH)
         else:
-            budget = AutoBudget(cost)
+            budget = AutoBudget(cost, max_budget=min(AUTO_MAX_BUDGET, leaf_limit - 2 * ngram))
     elif not isinstance(budget, int) or (method != "ar" and budget < 1):
         raise GenerationError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
     if lookahead_schedule not in ("constant", "heuristic"):
         raise GenerationError(
             f"lookahead_schedule must be 'constant' or 'heuristic', got {lookahead_schedule!r}"
         )
-    if not isinstance(ngram, int) or ngram < 0:
-        raise GenerationError(f"ngram must be an integer >= 0, got {ngram!r}")
+    if isinstance(budget, int) and method in ("specinfer", "specexec") and budget + 2 * ngram > leaf_limit:
+        raise GenerationError(
+            f"budget {budget} could make trees of more than the {leaf_limit} leaves llama.cpp verifies in "
+            f"one pass; use a budget of at most {leaf_limit - 2 * ngram}"
+        )
     if ngram and method != "specexec":
         raise GenerationError(f"ngram grafting is for method 'specexec', not {method!r}")
     if stop_strings and tokenizer is None:
@@ -214,8 +221,8 @@ def stream(
     )  # fmt: skip
     # Committed tokens plus scratch slots for the largest tree a step can build, in both caches.
     capacity = prompt.numel() + max_new_tokens + drafter.max_tree_size
-    target_runner = ModelRunner(target, capacity)
-    draft_runner = ModelRunner(draft, capacity) if method != "ar" else None
+    target_runner = make_runner(target, capacity)
+    draft_runner = make_runner(draft, capacity) if method != "ar" else None
     stats = Stats(method=method, prompt_tokens=prompt.numel())
 
     # Prefill: everything but the last prompt token, which becomes the first tree root.
@@ -294,6 +301,14 @@ def _make_drafter(
     if method == "specinfer":
         return SampledTreeDrafter(budget, branches)
     return BestFirstDrafter(budget, expand, width, max_rounds, ngram)
+
+
+def tree_leaf_limit(*models) -> int:
+    """The most leaves a verified tree may have: llama.cpp gives every leaf a sequence id of its own."""
+    from specexec.llamacpp import MAX_SEQUENCES
+
+    on_llamacpp = any(getattr(m, "backend", "torch") == "llamacpp" for m in models if m is not None)
+    return MAX_SEQUENCES - 1 if on_llamacpp else 1 << 30
 
 
 def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import os
 import re
 import shutil
@@ -132,13 +133,37 @@ def load_model(
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     """Load the tokenizer for any source ``load_model`` accepts.
 
-    A GGUF source not yet converted is converted in full, so the model loads fast afterwards too.
+    A GGUF source not yet converted gives its tokenizer alone, cached in its own small folder, so a
+    llama.cpp model (which never needs the conversion) loads it in seconds after the first time.
     """
-    folder = _local_folder(source)
+    folder = _tokenizer_folder(source)
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelSourceError(f"no usable tokenizer in {folder}: {_first_line(err)}") from err
+
+
+def _tokenizer_folder(source: str) -> Path:
+    gguf = _gguf_cache(source)
+    if gguf is None:
+        return _local_folder(source)
+    path, dest = gguf
+    if dest.is_dir():
+        return dest
+    folder = dest.with_name(dest.name + "-tokenizer")
+    if folder.is_dir():
+        return folder
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, KeyError, struct.error) as err:
+        raise ModelSourceError(f"cannot read a tokenizer from {path} ({_first_line(err)})") from err
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(partial)
+        _publish(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> list[int]:
@@ -181,6 +206,48 @@ def check_same_vocab(
     )
 
 
+def choose_backend(requested: str, source: str, torch_options: list[str]) -> str:
+    """The backend that runs `source`: "torch" or "llamacpp".
+
+    `requested` is "torch", "llamacpp" or "auto"; `torch_options` names the options given that only the
+    torch backend has (e.g. "--quant int8"). "auto" picks llama.cpp for a GGUF source when
+    llama-cpp-python is installed and no such option is given: its kernels are faster than PyTorch's
+    bf16/fp32 on every CPU measured (docs/benchmarks.md), and it runs the GGUF's own weights.
+    """
+    from specexec.llamacpp import INSTALL_HINT
+
+    if requested == "torch":
+        return "torch"
+    is_gguf = source in _PACKAGED or Path(source).expanduser().suffix.lower() == ".gguf"
+    available = importlib.util.find_spec("llama_cpp") is not None
+    if requested == "llamacpp":
+        if torch_options:
+            raise ModelSourceError(
+                f"{torch_options[0]} is for the torch backend; llama.cpp runs the GGUF's own weights"
+            )
+        if not is_gguf:
+            raise ModelSourceError(
+                f"the llama.cpp backend runs GGUF models, and {source!r} is not one; pass a .gguf file or "
+                f"one of {_default_names()}"
+            )
+        if not available:
+            raise ModelSourceError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}")
+        return "llamacpp"
+    if requested != "auto":
+        raise ModelSourceError(f"unknown backend {requested!r}; choose torch, llamacpp or auto")
+    return "llamacpp" if is_gguf and available and not torch_options else "torch"
+
+
+def load_llamacpp_model(source: str, threads: int | None = None):
+    """A GGUF source (a packaged name or a ``.gguf`` path) loaded by llama.cpp (`specexec.llamacpp`)."""
+    from specexec.llamacpp import LlamaCppError, LlamaCppModel
+
+    try:
+        return LlamaCppModel(gguf_file(source), threads)
+    except LlamaCppError as err:
+        raise ModelSourceError(str(err)) from None
+
+
 def gguf_file(source: str) -> Path:
     """The GGUF file behind a model source (a packaged name or a ``.gguf`` path), for GGUF runtimes."""
     if source in _PACKAGED:
@@ -191,21 +258,29 @@ def gguf_file(source: str) -> Path:
     raise ModelSourceError(f"{source!r} is not a GGUF model: pass a .gguf file or one of {_default_names()}")
 
 
+def _gguf_cache(source: str) -> tuple[Path, Path] | None:
+    """(GGUF file, its conversion folder) for a GGUF source (assembled first if packaged), else None."""
+    if source in _PACKAGED:
+        return _assembled_gguf(source), cache_root() / f"{source}-{_PACKAGED[source].sha256[:12]}"
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        stat = path.stat()
+        # Keyed by size and mtime rather than a hash: hashing a 1 GB file costs seconds on every load.
+        return path, cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    return None
+
+
 def _local_folder(source: str) -> Path:
     """Resolve ``source`` to a local Hugging Face folder, converting GGUF sources on first use."""
-    if source in _PACKAGED:
-        dest = cache_root() / f"{source}-{_PACKAGED[source].sha256[:12]}"
-        return dest if dest.is_dir() else _convert(_assembled_gguf(source), dest)
+    gguf = _gguf_cache(source)
+    if gguf is not None:
+        path, dest = gguf
+        return dest if dest.is_dir() else _convert(path, dest)
     path = Path(source).expanduser()
     if path.is_dir():
         return path
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelSourceError(f"{path} is a file but not a .gguf; pass a .gguf file or a model folder")
-        stat = path.stat()
-        # Keyed by size and mtime rather than a hash: hashing a 1 GB file costs seconds on every load.
-        dest = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-        return dest if dest.is_dir() else _convert(path, dest)
+        raise ModelSourceError(f"{path} is a file but not a .gguf; pass a .gguf file or a model folder")
     if _HUB_ID.match(source):
         raise ModelSourceError(
             f"{source!r} is not a local path and the Hugging Face Hub is not reachable; pass a local model "

@@ -203,6 +203,15 @@ class ModelRunner:
         self.slot_positions[dst_start : dst_start + src.numel()] = self.slot_positions[src].clone()
 
 
+def make_runner(model, capacity: int):
+    """The runner for `model`'s backend: `LlamaCppRunner` for a llama.cpp model, else `ModelRunner`."""
+    if getattr(model, "backend", "torch") == "llamacpp":
+        from specexec.llamacpp import LlamaCppRunner
+
+        return LlamaCppRunner(model, capacity)
+    return ModelRunner(model, capacity)
+
+
 def clock(device: torch.device) -> float:
     """Wall-clock seconds, after the device has finished its queued work."""
     if device.type == "cuda":

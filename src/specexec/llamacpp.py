@@ -1,0 +1,419 @@
+"""The llama.cpp backend: a GGUF model run by ggml's kernels (llama-cpp-python's low-level API) behind
+the same runner interface as the PyTorch backend (`extend`, `forward_tree`, `keep`, `move`).
+
+llama.cpp addresses its KV cache by sequence ids and positions, not by slots. A cached token (cell) is
+visible to a new token when the cell belongs to the new token's first sequence id and its position is
+not later (llama-kv-cache.cpp, `set_input_kq_mask`). So a tree is verified in one `llama_decode`:
+
+- the committed sequence is sequence 0;
+- every leaf of the block being decoded gets a fresh sequence id, and every token of the block carries
+  the ids of the leaves below it; the cached path above the block joins those sequences by `seq_cp`
+  (restricted to positions before the block), so each token sees exactly the prefix, its ancestors and
+  itself;
+- a slot (the engine's name for a tree node's KV) is remembered as (position, a sequence whose cells are
+  exactly its path); keeping the accepted path relabels its cells to sequence 0 and drops every other
+  sequence (`seq_keep`), which frees the cells of rejected branches.
+
+llama.cpp aborts the whole process on some bad arguments (a batch above `n_batch`, `n_batch` below
+`n_seq_max`); they are checked here first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specexec.runner import clock
+
+INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the committed one, the rest leaves
+BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer blocks are split
+CPU = torch.device("cpu")
+
+
+class LlamaCppError(RuntimeError):
+    """The llama.cpp backend cannot run this request; the message says why."""
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise LlamaCppError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from None
+    _quiet(llama_cpp)
+    return llama_cpp
+
+
+_LOG_CALLBACK = None
+
+
+def _quiet(llama_cpp) -> None:
+    """Route llama.cpp's log to stderr for errors only (its default prints every loaded tensor)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+
+        @llama_cpp.llama_log_callback
+        def errors_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            if level == 4:  # GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode("utf-8", "replace"))
+
+        _LOG_CALLBACK = errors_only
+        llama_cpp.llama_backend_init()
+    llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+@dataclass
+class LlamaCppConfig:
+    """What the engine reads of a model's configuration (the `transformers` names)."""
+
+    name_or_path: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_id: list[int]
+    num_parameters: int
+    model_type: str = "llamacpp"
+
+    def get_text_config(self) -> LlamaCppConfig:
+        return self
+
+
+@dataclass
+class LlamaCppGenerationConfig:
+    eos_token_id: list[int] = field(default_factory=list)
+
+
+class LlamaCppModel:
+    """A GGUF model loaded by llama.cpp (weights memory-mapped, shared by every runner on it).
+
+    Stands in for a `transformers` model wherever the engine needs one: `config`, `generation_config`,
+    `device`, `dtype`. `threads` sets llama.cpp's thread count (default: torch's).
+    """
+
+    backend = "llamacpp"
+    device = CPU
+
+    def __init__(self, gguf: str | os.PathLike, threads: int | None = None) -> None:
+        llama_cpp = _llama_cpp()
+        self.gguf = Path(gguf)
+        if not self.gguf.is_file():
+            raise LlamaCppError(f"GGUF file not found: {self.gguf}")
+        self.threads = threads or torch.get_num_threads()
+        params = llama_cpp.llama_model_default_params()
+        self.handle = llama_cpp.llama_model_load_from_file(str(self.gguf).encode(), params)
+        if not self.handle:
+            raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
+        self._free = llama_cpp.llama_model_free
+        vocab = llama_cpp.llama_model_get_vocab(self.handle)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        eos = [
+            t
+            for t in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab))
+            if 0 <= t < n_vocab
+        ]
+        eos = sorted(set(eos))
+        self.config = LlamaCppConfig(
+            name_or_path=str(self.gguf),
+            vocab_size=n_vocab,
+            max_position_embeddings=llama_cpp.llama_model_n_ctx_train(self.handle),
+            eos_token_id=eos,
+            num_parameters=llama_cpp.llama_model_n_params(self.handle),
+        )
+        self.generation_config = LlamaCppGenerationConfig(list(eos))
+        self.dtype = _weight_type(llama_cpp, self.handle)
+        self.version = llama_cpp.__version__
+
+    def describe(self) -> str:
+        """What the calibration cache keys on: file, size, weight type, threads, library version."""
+        stat = self.gguf.stat()
+        return (
+            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.dtype}:"
+            f"{self.threads}t:{self.version}"
+        )
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self._free(self.handle)
+            self.handle = None
+
+
+def _weight_type(llama_cpp, handle) -> str:
+    """The model's description, e.g. "qwen2 1.5B Q4_K - Medium"."""
+    buf = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(handle, buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
+@dataclass
+class _Slot:
+    position: int
+    sequence: int  # a sequence whose cells at positions <= `position` are exactly this slot's path
+    depth: int  # cached tokens on the path above the committed prefix, this one included
+    parent: int | None  # the parent's slot, None when the parent is the committed prefix
+
+
+class LlamaCppRunner:
+    """Drives one `LlamaCppModel` over its own llama.cpp context: `extend`, `forward_tree`, `keep`,
+    `move`, with the slot semantics of `specexec.runner.ModelRunner`."""
+
+    def __init__(self, model: LlamaCppModel, capacity: int) -> None:
+        self.llama_cpp = llama_cpp = _llama_cpp()
+        self.model = model
+        self.device = CPU
+        self.capacity = capacity
+        self.length = 0
+        self.forward_seconds = 0.0
+        self.vocab = model.config.vocab_size
+        self.last_token_id = self.vocab - 1
+        params = llama_cpp.llama_context_default_params()
+        # Cells: the committed tokens plus every tree node of a step (pruned ones are freed at once).
+        params.n_ctx = capacity + BATCH
+        params.n_batch = params.n_ubatch = BATCH
+        params.n_seq_max = MAX_SEQUENCES
+        params.kv_unified = True  # one cell may belong to many sequences: required for trees
+        params.n_threads = params.n_threads_batch = model.threads
+        params.no_perf = True
+        # Flash attention off: ggml's CPU flash attention sums over cache cells in cell order with
+        # float16 rounding, and accepted paths leave cells out of position order (rejected nodes' cells
+        # are holes the next tree fills), which moved logits by up to 1% on the test models; it also
+        # switches kernels at 64 query rows. Without it, a tree row's logits are the one-token logits
+        # (bit for bit with 8-bit weights in the tests), whatever the tree's size or cell layout.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.ctx = llama_cpp.llama_init_from_model(model.handle, params)
+        if not self.ctx:
+            raise LlamaCppError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(BATCH, 0, MAX_SEQUENCES)
+        self.slots: dict[int, _Slot] = {}
+        self.free_sequences = list(range(MAX_SEQUENCES - 1, 0, -1))  # pop() hands out 1 first
+        self.users = [0] * MAX_SEQUENCES  # slots whose `sequence` is this id
+
+    def __del__(self) -> None:
+        llama_cpp = getattr(self, "llama_cpp", None)
+        if llama_cpp is not None and getattr(self, "ctx", None):
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+    # The runner interface.
+
+    def extend(self, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
+        """Append `tokens` (n,) to the committed sequence (dropping any tree); logits (m, V) of the kept
+        rows."""
+        self._drop_tree()
+        n = tokens.numel()
+        if self.length + n > self.capacity:
+            raise LlamaCppError(f"KV cache overflow: {self.length + n} > {self.capacity} slots")
+        positions = list(range(self.length, self.length + n))
+        rows = [[0]] * n
+        logits = self._decode(tokens.tolist(), positions, rows, _kept_rows(logits_to_keep, n))
+        self.length += n
+        return logits
+
+    def forward_tree(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        allowed: torch.Tensor,
+        logits_to_keep: int | torch.Tensor = 0,
+    ) -> torch.Tensor:
+        """Forward tokens (n,) at `positions` into `slots`, row i seeing the slots j with allowed[i, j]
+        (n, width). Every row must see the whole committed prefix, and its other visible slots must be
+        its ancestors in a tree (one more position per level): the masks tree drafting and verification
+        build. Does not change the committed length."""
+        n = tokens.numel()
+        width = allowed.shape[1]
+        if width > self.capacity:
+            raise LlamaCppError(f"KV cache overflow: {width} > {self.capacity} slots")
+        length = self.length
+        if not bool(allowed[:, :length].all()):
+            raise LlamaCppError("llama.cpp backend: every row must see the whole committed prefix")
+        slot_list, position_list = slots.tolist(), positions.tolist()
+        for slot in slot_list:
+            if slot < length:
+                raise LlamaCppError(f"slot {slot} is committed; a tree writes above slot {length - 1}")
+            self._release(slot)
+        visible = allowed[:, length:]  # (n, width - length)
+        # Each row's parent: the visible slot other than its own with the latest position.
+        batch_row = {slot: i for i, slot in enumerate(slot_list)}
+        parents: list[int | None] = []
+        depths: list[int] = []
+        for i, (slot, position) in enumerate(zip(slot_list, position_list, strict=True)):
+            seen = [length + j for j in visible[i].nonzero().flatten().tolist() if length + j != slot]
+            parent = max(seen, key=self._position_of(position_list, batch_row), default=None)
+            if parent is None:
+                depth, parent_position = 1, length - 1
+            elif parent in batch_row:
+                if batch_row[parent] >= i:
+                    raise LlamaCppError("llama.cpp backend: tree rows must come after their parent")
+                depth, parent_position = depths[batch_row[parent]] + 1, position_list[batch_row[parent]]
+            elif parent in self.slots:
+                depth, parent_position = self.slots[parent].depth + 1, self.slots[parent].position
+            else:
+                raise LlamaCppError(f"llama.cpp backend: row {i} sees slot {parent}, which holds nothing")
+            if len(seen) + 1 != depth or position != parent_position + 1:
+                raise LlamaCppError(
+                    "llama.cpp backend: a row's visible slots must be its ancestors, one position apart"
+                )
+            parents.append(parent)
+            depths.append(depth)
+        # A fresh sequence per leaf of the block; each row carries the sequences of the leaves below it.
+        has_child = {batch_row[p] for p in parents if p in batch_row}
+        leaves = [i for i in range(n) if i not in has_child]
+        if len(leaves) > len(self.free_sequences):
+            raise LlamaCppError(
+                f"llama.cpp backend: a tree with {len(leaves)} leaves needs more than the "
+                f"{MAX_SEQUENCES - 1} sequences llama.cpp allows; use a smaller budget"
+            )
+        rows: list[list[int]] = [[] for _ in range(n)]
+        for i in leaves:
+            rows[i].append(self.free_sequences.pop())
+        for i in reversed(range(n)):
+            parent = parents[i]
+            if parent in batch_row:
+                rows[batch_row[parent]].extend(rows[i])
+        # The cached path above each block root joins the sequences of the leaves below that root.
+        seq_cp = self.llama_cpp.llama_memory_seq_cp
+        for i in range(n):
+            parent = parents[i]
+            if parent in batch_row:
+                continue
+            anchor = 0 if parent is None else self.slots[parent].sequence
+            for sequence in rows[i]:
+                seq_cp(self.memory, anchor, sequence, -1, position_list[i])
+        logits = self._decode(tokens.tolist(), position_list, rows, _kept_rows(logits_to_keep, n))
+        for i, slot in enumerate(slot_list):
+            self.slots[slot] = _Slot(position_list[i], rows[i][0], depths[i], parents[i])
+            self.users[rows[i][0]] += 1
+        return logits
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Make the committed sequence exactly `slots`: a prefix of the committed slots, then (if the
+        whole committed sequence is kept) a path of tree slots in order."""
+        slot_list = slots.tolist()
+        k = 0
+        while k < len(slot_list) and k < self.length and slot_list[k] == k:
+            k += 1
+        tail = slot_list[k:]
+        memory, llama_cpp = self.memory, self.llama_cpp
+        if tail:
+            if k != self.length:
+                raise LlamaCppError("llama.cpp backend: a kept path must follow the whole committed prefix")
+            last = self.slots.get(tail[-1])
+            path = self._path(tail[-1]) if last is not None else []
+            if path != tail:
+                raise LlamaCppError("llama.cpp backend: kept tree slots must be one root-to-node path")
+            llama_cpp.llama_memory_seq_cp(memory, last.sequence, 0, k, k + len(tail))
+        elif k < self.length:
+            llama_cpp.llama_memory_seq_rm(memory, 0, k, -1)
+        self._drop_tree()
+        self.length = k + len(tail)
+
+    def move(self, src: torch.Tensor, dst_start: int) -> None:
+        """Renumber tree slots: slot src[j] becomes dst_start + j; every other slot at or above
+        `dst_start` is released (its cells freed once nothing else needs them)."""
+        src_list = src.tolist()
+        if src_list and min(src_list) < dst_start:
+            raise LlamaCppError("llama.cpp backend: tree slots only move down")
+        moved = {dst_start + j: self.slots[s] for j, s in enumerate(src_list) if s in self.slots}
+        renamed = {s: dst_start + j for j, s in enumerate(src_list)}
+        for slot in [s for s in self.slots if s >= dst_start]:
+            if slot not in renamed:
+                self._release(slot)
+            else:
+                del self.slots[slot]
+        for info in moved.values():
+            if info.parent is not None:
+                info.parent = renamed.get(info.parent, info.parent)
+        self.slots.update(moved)
+
+    # Internals.
+
+    def _decode(
+        self, tokens: list[int], positions: list[int], rows: list[list[int]], kept: list[int]
+    ) -> torch.Tensor:
+        """llama_decode over the rows, BATCH at a time; logits (len(kept), V) of rows `kept`."""
+        llama_cpp, batch = self.llama_cpp, self.batch
+        wanted = set(kept)
+        out: list[torch.Tensor] = []
+        start = clock(CPU)
+        for first in range(0, len(tokens), BATCH):
+            count = min(BATCH, len(tokens) - first)
+            outputs = 0
+            for j in range(count):
+                i = first + j
+                batch.token[j] = tokens[i]
+                batch.pos[j] = positions[i]
+                batch.n_seq_id[j] = len(rows[i])
+                for k, sequence in enumerate(rows[i]):
+                    batch.seq_id[j][k] = sequence
+                batch.logits[j] = i in wanted
+                outputs += i in wanted
+            batch.n_tokens = count
+            status = llama_cpp.llama_decode(self.ctx, batch)
+            if status != 0:
+                raise LlamaCppError(f"llama_decode failed with status {status} (KV cache full or bad batch)")
+            if outputs:
+                logits = np.ctypeslib.as_array(
+                    llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.vocab)
+                )
+                out.append(torch.from_numpy(logits.copy()))  # (outputs, V)
+        self.forward_seconds += clock(CPU) - start
+        if not out:
+            return torch.empty(0, self.vocab)
+        logits = torch.cat(out)  # rows in batch order
+        order = sorted(kept)
+        if order == kept:
+            return logits
+        index = {row: j for j, row in enumerate(order)}
+        return logits[[index[row] for row in kept]]
+
+    def _position_of(self, position_list: list[int], batch_row: dict[int, int]):
+        def position(slot: int) -> int:
+            if slot in batch_row:
+                return position_list[batch_row[slot]]
+            info = self.slots.get(slot)
+            return info.position if info is not None else -1
+
+        return position
+
+    def _path(self, slot: int) -> list[int]:
+        path = []
+        while slot is not None:
+            path.append(slot)
+            slot = self.slots[slot].parent
+        return path[::-1]
+
+    def _release(self, slot: int) -> None:
+        info = self.slots.pop(slot, None)
+        if info is not None:
+            self.users[info.sequence] -= 1
+            self._free_if_unused(info.sequence)
+
+    def _free_if_unused(self, sequence: int) -> None:
+        if sequence and not self.users[sequence] and sequence not in self.free_sequences:
+            self.llama_cpp.llama_memory_seq_rm(self.memory, sequence, -1, -1)
+            self.free_sequences.append(sequence)
+
+    def _drop_tree(self) -> None:
+        """Forget every tree slot: only sequence 0's cells stay."""
+        if self.slots or len(self.free_sequences) < MAX_SEQUENCES - 1:
+            self.llama_cpp.llama_memory_seq_keep(self.memory, 0)
+            self.slots.clear()
+            self.users = [0] * MAX_SEQUENCES
+            self.free_sequences = list(range(MAX_SEQUENCES - 1, 0, -1))
+
+
+def _kept_rows(logits_to_keep: int | torch.Tensor, n: int) -> list[int]:
+    """Row indices for the runner's `logits_to_keep` (0 = all, k = last k, or a tensor of rows)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits_to_keep.tolist()
+    if logits_to_keep == 0:
+        return list(range(n))
+    return list(range(max(0, n - logits_to_keep), n))

@@ -1,0 +1,323 @@
+"""The llama.cpp backend: tree masks by sequence ids, path keeping, exactness of every method.
+
+Tiny random GGUF models (tests/tiny_gguf.py: llama and qwen2, float32 and Q8_0) run in llama.cpp itself.
+llama.cpp's batched logits may differ from its one-token logits in the last bits (the kernels' numerics
+depend on the batch shape), so tree rows are compared with sequential decoding of each node's path up to
+a tolerance, and greedy identity is asserted on these models, whose greedy margins are wide.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from tiny_gguf import write_random_gguf
+from tiny_models import chi2_pvalue
+
+import specexec
+from specexec.budget import CostModel
+from specexec.engine import GenerationError
+from specexec.sampling import SamplingParams, probs_from_logits
+from specexec.tree import DraftTree
+
+pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs specexec[llamacpp]")
+
+from specexec.llamacpp import MAX_SEQUENCES, LlamaCppError, LlamaCppModel, LlamaCppRunner  # noqa: E402
+
+VARIANTS = [("llama", "f32"), ("qwen2", "f32"), ("llama", "q8_0"), ("qwen2", "q8_0")]
+PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
+NEW = 48
+# Tree rows against one-token decoding of the same path, relative to the largest |logit|: batch-shape
+# numerics only (the KV cache holds float16, activations meet Q8_0 weights quantized to 8 bits).
+TOLERANCE = {"f32": 1e-3, "q8_0": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+@functools.cache
+def _model(folder: str, arch: str, weights: str, kind: str) -> LlamaCppModel:
+    seed, noise = {"target": (0, 0.0), "perturbed": (0, 0.05), "random": (9, 0.0)}[kind]
+    path = Path(folder) / f"{arch}-{weights}-{kind}.gguf"
+    if not path.exists():
+        write_random_gguf(path, arch, weights, seed=seed, noise=noise)
+    return LlamaCppModel(path, threads=1)
+
+
+@pytest.fixture
+def model(gguf_dir: Path):
+    return lambda arch, weights, kind="target": _model(str(gguf_dir), arch, weights, kind)
+
+
+def sequential_logits(model: LlamaCppModel, tokens: list[int]) -> torch.Tensor:
+    """Logits after each token of `tokens`, one llama_decode per token, (n, V)."""
+    runner = LlamaCppRunner(model, len(tokens) + 8)
+    return torch.cat([runner.extend(torch.tensor([t])) for t in tokens])
+
+
+def random_tree(seed: int, size: int, vocab: int, root: int) -> DraftTree:
+    """A tree of `size` nodes, each new node under a random earlier one."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = DraftTree(root, size)
+    for i in range(1, size):
+        parent = torch.randint(0, i, (1,), generator=gen)
+        tree.add(parent, torch.randint(0, vocab, (1,), generator=gen))
+    return tree
+
+
+def forward_whole_tree(runner, tree: DraftTree, root_slot: int) -> torch.Tensor:
+    from specexec.drafters.base import tree_forward
+
+    return tree_forward(runner, tree, torch.arange(tree.size), root_slot)
+
+
+# -- the mask ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("arch", "weights"), VARIANTS)
+def test_tree_rows_match_sequential_decoding_of_their_paths(model, arch: str, weights: str) -> None:
+    target = model(arch, weights)
+    tree = random_tree(0, 40, target.config.vocab_size, PROMPT[-1])
+    runner = LlamaCppRunner(target, 128)
+    runner.extend(torch.tensor(PROMPT[:-1]))
+    logits = forward_whole_tree(runner, tree, len(PROMPT) - 1)  # (40, V)
+    worst = 0.0
+    for node in range(tree.size):
+        path = tree.tokens[tree.path_to(node)].tolist()
+        reference = sequential_logits(target, PROMPT + path)[-1]
+        worst = max(worst, float((logits[node] - reference).abs().max() / reference.abs().max()))
+        assert int(logits[node].argmax()) == int(reference.argmax()), node
+    print(f"{arch}/{weights}: max |tree - sequential| / max |logit| = {worst:.2e}")
+    assert worst < TOLERANCE[weights]
+
+
+@pytest.mark.parametrize(("arch", "weights"), VARIANTS[:2])
+def test_a_causal_mask_over_the_same_rows_differs(model, arch: str, weights: str) -> None:
+    """Negative control: the same 40 nodes as one flat chain (every row sees all earlier rows) give other
+    next-token choices, so agreement with the paths comes from the tree mask."""
+    target = model(arch, weights)
+    tree = random_tree(0, 40, target.config.vocab_size, PROMPT[-1])
+    runner = LlamaCppRunner(target, 128)
+    runner.extend(torch.tensor(PROMPT[:-1]))
+    tree_logits = forward_whole_tree(runner, tree, len(PROMPT) - 1)
+    flat = LlamaCppRunner(target, 128)
+    flat_logits = flat.extend(torch.tensor(PROMPT[:-1] + tree.tokens[: tree.size].tolist()), tree.size)
+    agree = (tree_logits.argmax(-1) == flat_logits.argmax(-1)).float().mean()
+    assert agree < 0.7, float(agree)
+
+
+@pytest.mark.parametrize(("arch", "weights"), VARIANTS[:1] + VARIANTS[2:3])
+def test_keeping_a_path_continues_like_sequential_decoding(model, arch: str, weights: str) -> None:
+    target = model(arch, weights)
+    tree = random_tree(1, 30, target.config.vocab_size, PROMPT[-1])
+    runner = LlamaCppRunner(target, 128)
+    runner.extend(torch.tensor(PROMPT[:-1]))
+    root = len(PROMPT) - 1
+    forward_whole_tree(runner, tree, root)
+    leaf = int(tree.depths[: tree.size].argmax())
+    path = [0, *tree.path_to(leaf).tolist()]
+    runner.keep(torch.cat([torch.arange(root), root + torch.tensor(path)]))
+    assert runner.length == root + len(path)
+    after = runner.extend(torch.tensor([7, 8]), 2)  # (2, V)
+    tokens = PROMPT + tree.tokens[tree.path_to(leaf)].tolist() + [7, 8]
+    reference = sequential_logits(target, tokens)[-2:]
+    assert (after - reference).abs().max() < TOLERANCE[weights] * reference.abs().max()
+    assert torch.equal(after.argmax(-1), reference.argmax(-1))
+
+
+def test_draft_rounds_with_pruning_match_sequential_decoding(model) -> None:
+    """The draft's way: nodes forwarded a few at a time, pruned and renumbered (`move`) in between."""
+    target = model("llama", "f32")
+    vocab = target.config.vocab_size
+    runner = LlamaCppRunner(target, 256)
+    runner.extend(torch.tensor(PROMPT))  # the draft has the root committed
+    root = len(PROMPT) - 1
+    tree = DraftTree(PROMPT[-1], 64)
+    tree.expanded[0] = True  # the root is committed
+    from specexec.drafters.base import tree_forward
+
+    gen = torch.Generator().manual_seed(3)
+    frontier = tree.add(torch.zeros(4, dtype=torch.long), torch.randint(0, vocab, (4,), generator=gen))
+    for round_ in range(4):
+        logits = tree_forward(runner, tree, frontier, root)
+        tree.expanded[frontier] = True
+        for node, row in zip(frontier.tolist(), logits, strict=True):
+            reference = sequential_logits(target, PROMPT + tree.tokens[tree.path_to(node)].tolist())[-1]
+            assert (row - reference).abs().max() < TOLERANCE["f32"] * reference.abs().max(), (round_, node)
+        children = tree.add(frontier.repeat(2), torch.randint(0, vocab, (2 * len(frontier),), generator=gen))
+        # Drop every other leaf (an ancestor-closed set), renumbering the rest as the drafter does.
+        keep = [n for n in range(tree.size) if n not in children.tolist()[1::2]]
+        keep = torch.tensor(keep)
+        runner.move(root + keep, root)
+        tree.keep(keep)
+        frontier = torch.nonzero(~tree.expanded[: tree.size]).flatten()
+    assert runner.free_sequences  # pruned leaves gave their sequences back
+
+
+def test_too_many_leaves_is_an_error_not_an_abort(model) -> None:
+    target = model("llama", "f32")
+    tree = DraftTree(PROMPT[-1], MAX_SEQUENCES + 2)
+    tree.add(torch.zeros(MAX_SEQUENCES, dtype=torch.long), torch.arange(MAX_SEQUENCES) % 100)
+    runner = LlamaCppRunner(target, 512)
+    runner.extend(torch.tensor(PROMPT[:-1]))
+    with pytest.raises(LlamaCppError, match="sequences"):
+        forward_whole_tree(runner, tree, len(PROMPT) - 1)
+    with pytest.raises(GenerationError, match="llama.cpp"):
+        specexec.generate(target, target, PROMPT, method="specexec", budget=512, max_new_tokens=4)
+
+
+def test_a_mask_that_is_not_a_tree_is_refused(model) -> None:
+    runner = LlamaCppRunner(model("llama", "f32"), 64)
+    runner.extend(torch.tensor(PROMPT))
+    n = len(PROMPT)
+    allowed = torch.ones(2, n + 2, dtype=torch.bool)
+    allowed[0, n + 1] = False
+    allowed[1, :2] = False  # does not see the whole committed prefix
+    with pytest.raises(LlamaCppError, match="committed prefix"):
+        runner.forward_tree(torch.tensor([1, 2]), torch.tensor([n, n + 1]), torch.tensor([n, n + 1]), allowed)
+
+
+# -- every method, greedy ---------------------------------------------------------------------------------
+
+
+def ar_reference(target: LlamaCppModel) -> list[int]:
+    return specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=NEW).tokens
+
+
+METHODS = [
+    dict(method="sd", budget=4),
+    dict(method="sd", budget=2, lookahead_schedule="heuristic"),
+    dict(method="dsl", budget=8),
+    dict(method="dsl", budget="auto"),
+    dict(method="specinfer", budget=16, branches=4),
+    dict(method="specexec", budget=8),
+    dict(method="specexec", budget=64),
+    dict(method="specexec", budget="auto"),
+    dict(method="specexec", budget=32, ngram=3),
+]
+# Flat costs: the auto budget drafts instead of deciding that speculation does not pay on tiny models.
+FLAT = CostModel({1: 1.0, 1024: 1.2}, {1: 0.05, 128: 0.06})
+
+
+@pytest.mark.parametrize(("arch", "weights"), VARIANTS)
+@pytest.mark.parametrize("kind", ["target", "perturbed", "random"])
+def test_every_method_reproduces_the_backends_greedy_decoding(model, arch, weights, kind) -> None:
+    target, draft = model(arch, weights), model(arch, weights, kind)
+    reference = ar_reference(target)
+    assert len(set(reference)) >= 8  # test design: not one repeated token
+    for args in METHODS:
+        cost = {"cost_model": FLAT} if args["budget"] == "auto" else {}
+        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args, **cost)
+        assert out.tokens == reference, args
+        if kind == "target" and args["method"] == "specexec":
+            assert out.stats.tokens_per_step > 3, args  # the draft's tree was used, deep
+        if kind == "perturbed":
+            assert out.stats.tokens_per_step > 1.2, args
+
+
+def test_a_torch_draft_can_serve_a_llamacpp_target(model) -> None:
+    """Backends are per model: the engine sees two runners, whatever drives them."""
+    from tiny_models import tiny_model
+
+    target = model("llama", "f32")
+    draft = tiny_model("llama", seed=5, vocab_size=target.config.vocab_size)
+    out = specexec.generate(target, draft, PROMPT, method="specexec", budget=16, max_new_tokens=NEW)
+    assert out.tokens == ar_reference(target)
+
+
+# -- every method, sampled ---------------------------------------------------------------------------------
+
+V = 10
+SAMPLE_PROMPT = [3]
+SAMPLE_NEW = 3
+DRAWS = 1_200
+P_THRESHOLD = 1e-4
+SAMPLE_METHODS = {
+    "ar": dict(method="ar"),
+    "sd": dict(method="sd", budget=2),
+    "dsl": dict(method="dsl", budget=2, confidence_threshold=0.05),
+    "specinfer": dict(method="specinfer", budget=8, branches=4),
+    "specexec": dict(method="specexec", budget=12, expand=4, width=4),
+    "specexec-auto": dict(method="specexec", budget="auto", cost_model=FLAT),
+}
+
+
+@functools.cache
+def sampling_pair(folder: str) -> tuple[LlamaCppModel, LlamaCppModel]:
+    import tiny_gguf
+
+    paths = [Path(folder) / f"small-{seed}.gguf" for seed in (0, 7)]
+    for path, seed, scale in zip(paths, (0, 7), (0.15, 0.5), strict=True):
+        if not path.exists():
+            write_small_gguf(tiny_gguf, path, seed, scale)
+    return LlamaCppModel(paths[0], threads=1), LlamaCppModel(paths[1], threads=1)
+
+
+def write_small_gguf(tiny_gguf, path: Path, seed: int, scale: float) -> None:
+    """A 10-token vocabulary, spread-out distributions (the target) or sharper ones (the draft)."""
+    saved = (tiny_gguf.VOCAB, tiny_gguf.HIDDEN, tiny_gguf.FFN, tiny_gguf.LAYERS)
+    tiny_gguf.VOCAB, tiny_gguf.HIDDEN, tiny_gguf.FFN, tiny_gguf.LAYERS = V, 32, 64, 1
+    try:
+        write_random_gguf(path, "llama", "f32", seed=seed, logit_scale=scale)
+    finally:
+        tiny_gguf.VOCAB, tiny_gguf.HIDDEN, tiny_gguf.FFN, tiny_gguf.LAYERS = saved
+
+
+def exact_joint(target: LlamaCppModel, params: SamplingParams) -> torch.Tensor:
+    """P(x1, x2, x3) under `params`, (V, V, V), from the backend's own logits."""
+    p1 = probs_from_logits(sequential_logits(target, SAMPLE_PROMPT)[-1], params)
+    joint = torch.zeros(V, V, V)
+    for a, b in itertools.product(range(V), repeat=2):
+        logits = sequential_logits(target, SAMPLE_PROMPT + [a, b])
+        p2 = probs_from_logits(logits[-2], params)
+        p3 = probs_from_logits(logits[-1], params)
+        joint[a, b] = p1[a] * p2[b] * p3
+    return joint
+
+
+@pytest.mark.parametrize("method", list(SAMPLE_METHODS))
+def test_every_method_samples_the_backends_distribution(gguf_dir: Path, method: str) -> None:
+    target, draft = sampling_pair(str(gguf_dir))
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    joint = exact_joint(target, params)
+    assert float(joint.sum((1, 2)).max()) < 0.6  # test design: spread out
+    counts = torch.zeros(V, V, V)
+    accepted = 0
+    for i in range(DRAWS):
+        out = specexec.generate(
+            target, draft, SAMPLE_PROMPT, max_new_tokens=SAMPLE_NEW, seed=1000 + i, temperature=1.0,
+            **SAMPLE_METHODS[method],
+        )  # fmt: skip
+        counts[tuple(out.tokens)] += 1
+        accepted += bool(out.stats.accepted and out.stats.accepted[0])
+    if method != "ar":
+        assert accepted > DRAWS // 20  # test design: drafts are partly accepted
+    p12 = chi2_pvalue(counts.sum(2), joint.sum(2))
+    p23 = chi2_pvalue(counts.sum(0), joint.sum(0))
+    assert p12 > P_THRESHOLD and p23 > P_THRESHOLD, (p12, p23)
+
+
+def test_sampling_negative_control(gguf_dir: Path) -> None:
+    """The same statistic rejects specexec with a wrong acceptance rule (the cache walk following the
+    first child when the target's sample is not in the tree) on this backend."""
+    from test_distribution import biased_cache_walk
+
+    target, draft = sampling_pair(str(gguf_dir))
+    joint = exact_joint(target, SamplingParams(temperature=1.0, top_k=0, top_p=1.0))
+    counts = torch.zeros(V, V, V)
+    with mock.patch("specexec.engine.cache_walk", biased_cache_walk):
+        for i in range(DRAWS):
+            out = specexec.generate(
+                target, draft, SAMPLE_PROMPT, max_new_tokens=SAMPLE_NEW, seed=1000 + i, temperature=1.0,
+                **SAMPLE_METHODS["specexec"],
+            )  # fmt: skip
+            counts[tuple(out.tokens)] += 1
+    p12 = chi2_pvalue(counts.sum(2), joint.sum(2))
+    p23 = chi2_pvalue(counts.sum(0), joint.sum(0))
+    assert min(p12, p23) < P_THRESHOLD, (p12, p23)
