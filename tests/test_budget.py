@@ -262,13 +262,41 @@ def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatc
         def keep(self, slots) -> None:
             pass
 
-    monkeypatch.setattr(budget, "ModelRunner", DriftingRunner)
+    monkeypatch.setattr(budget, "make_runner", DriftingRunner)
     monkeypatch.setattr(budget, "clock", lambda device: now[0])
     target, draft, _ = models
     cost = budget.calibrate(target, draft, progress=False)
     for curve in (cost.target, cost.draft):
         per_token = [seconds / n for n, seconds in curve.items()]
         assert max(per_token) < 1.5 * min(per_token), curve
+
+
+def test_calibration_does_not_time_sizes_that_cannot_pay(models, monkeypatch) -> None:
+    """A CPU where cost grows with every token: sizes past REPAY_LIMIT one-token target passes are never
+    run (they would be the slowest to time), and the curve extrapolates past the last one timed."""
+    from specexec import budget
+
+    now = [0.0]
+    seen: list[int] = []
+
+    class LinearRunner:
+        def __init__(self, model, capacity) -> None:
+            self.device = torch.device("cpu")
+
+        def extend(self, tokens, logits_to_keep=1) -> None:
+            seen.append(tokens.numel())
+            now[0] += 0.05 * tokens.numel()
+
+        def keep(self, slots) -> None:
+            pass
+
+    monkeypatch.setattr(budget, "make_runner", LinearRunner)
+    monkeypatch.setattr(budget, "clock", lambda device: now[0])
+    target, draft, _ = models
+    cost = budget.calibrate(target, draft, progress=False)
+    assert max(cost.target) == 32 and max(cost.draft) == 32  # 32 costs 32 > 20 passes; 64 never ran
+    assert max(n for n in seen if n != 256) == 32  # 256: the context
+    assert cost.target_seconds(64) == pytest.approx(3.2)
 
 
 def chain_length(stop: ChainCostStop, confidence: float, limit: int = 20) -> int:
@@ -347,3 +375,28 @@ def test_auto_methods_stop_drafting_where_it_cannot_pay_and_stay_exact(models, r
         out = auto_generate(models, method, hopeless)
         assert out.tokens == reference
         assert out.stats.tree_sizes.count(0) >= len(out.stats.tree_sizes) / 2, (method, out.stats.tree_sizes)
+
+
+def test_chain_pays_only_where_speculation_can_win() -> None:
+    from specexec.budget import chain_pays, chain_seconds
+
+    # llama.cpp on 2 AVX2 cores (shared/notes/llamacpp-backend.md): 4 tokens cost 2.5 one-token passes,
+    # a draft pass half of one. Even a draft right 95% of the time loses to plain decoding.
+    avx2 = CostModel({1: 0.051, 2: 0.087, 4: 0.128, 8: 0.319, 16: 0.42}, {1: 0.025, 8: 0.14})
+    plain = 1 / 0.051
+    assert not chain_pays(0.95, plain, chain_seconds(avx2, 32))
+    assert chain_pays(1.0, plain, chain_seconds(avx2, 32))  # only a perfect draft edges ahead (k = 3)
+    # Verification flat up to 4 tokens (PyTorch on a CPU), or flat throughout (offloading): fair drafts pay.
+    assert chain_pays(0.8, 1 / 0.26, chain_seconds(STEEP, 32))
+    assert chain_pays(0.6, 1 / 5.0, chain_seconds(FLAT, 32))
+    assert not chain_pays(0.3, 1 / 0.26, chain_seconds(STEEP, 32))
+
+
+def test_auto_methods_skip_the_draft_pass_where_no_chain_can_pay(models, reference) -> None:
+    """On such a machine the default decodes plainly from the first step: no draft pass is spent."""
+    avx2 = CostModel({1: 0.051, 2: 0.087, 4: 0.128, 8: 0.319, 16: 0.42}, {1: 0.025, 8: 0.14})
+    for method in ("specexec", "dsl"):
+        out = auto_generate(models, method, avx2)
+        assert out.tokens == reference
+        assert out.stats.draft_calls == 0, method
+        assert set(out.stats.tree_sizes) == {0}, method

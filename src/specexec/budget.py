@@ -199,6 +199,32 @@ class SpeculationGate:
             self.pause = self.first_pause
 
 
+def chain_seconds(cost: CostModel, max_length: int) -> list[float]:
+    """T(k) for k = 0 .. max_length: k one-node draft passes and a target pass over k + 1 tokens."""
+    draft = cost.draft_seconds(1)
+    return [k * draft + cost.target_seconds(k + 1) for k in range(max_length + 1)]
+
+
+def chain_pays(acceptance: float, rate: float, seconds: Sequence[float]) -> bool:
+    """Whether some chain of k >= 1 draft tokens, each accepted with probability `acceptance` after its
+    predecessors, is worth more than a plain step at the achieved `rate`: E(k) - rate T(k) > 1 - rate
+    T(0), with `seconds` the T(k) (`chain_seconds`).
+
+    With the acceptance of the draft's surest tokens, this is the most a step can hope to gain: where
+    it fails (a draft pass nearly as slow as a target pass, or verification that grows steeply with the
+    tokens verified) speculation cannot pay on this machine, and a step decodes plainly without spending
+    a draft pass to find out.
+    """
+    expected, path = 1.0, 1.0
+    plain = 1.0 - rate * seconds[0]
+    for k in range(1, len(seconds)):
+        path *= acceptance
+        expected += path
+        if expected - rate * seconds[k] > plain:
+            return True
+    return False
+
+
 class AutoBudget:
     """Chooses the SpecExec tree per step from a cost model and learnt acceptance rates.
 
@@ -222,6 +248,11 @@ class AutoBudget:
         # every draft round.
         self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
         self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
+        self.chains = chain_seconds(cost, CHAIN_CHECK)
+
+    def worth_drafting(self) -> bool:
+        """Whether this step should draft at all (`chain_pays` at the surest tokens' learnt acceptance)."""
+        return chain_pays(float(self.acceptance(torch.ones(1))[0]), self.gate.rate, self.chains)
 
     def node_probs(self, tree: DraftTree) -> torch.Tensor:
         """P for every node of `tree` (the root: 1), (size,)."""
@@ -287,11 +318,14 @@ class ChainCostStop:
     def __init__(self, cost: CostModel, max_length: int = 20) -> None:
         self.max_length = max_length
         # T(k) for k = 0 .. max_length, looked up for every length after every draft token.
-        draft = cost.draft_seconds(1)
-        self.chain_seconds = [k * draft + cost.target_seconds(k + 1) for k in range(max_length + 1)]
+        self.chain_seconds = chain_seconds(cost, max_length)
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
         self.start()
+
+    def worth_drafting(self) -> bool:
+        """Whether this step should draft at all (`chain_pays` at the surest tokens' learnt acceptance)."""
+        return chain_pays(float(self.acceptance(torch.ones(1))[0]), self.gate.rate, self.chain_seconds)
 
     def start(self) -> None:
         """A new chain."""
@@ -328,13 +362,18 @@ class ChainCostStop:
 # Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
+# A forward that costs more than this many one-token target passes cannot be repaid (no step is expected
+# to emit more tokens; published SpecExec trees reach about 20): larger sizes are not timed, and the
+# cost model extrapolates past the last one timed.
+REPAY_LIMIT = 20
+CHAIN_CHECK = 32  # the longest chain `AutoBudget.worth_drafting` considers
 
 
 def calibrate(
     target: PreTrainedModel,
     draft: PreTrainedModel,
     context: int = 256,
-    repeats: int = 5,
+    repeats: int = 3,
     label: str = "",
     progress: bool = True,
 ) -> CostModel:
@@ -342,40 +381,53 @@ def calibrate(
     runs (2 from 256 tokens up, where a run is long and steady), then the closest non-decreasing curve,
     since a larger forward never costs less and timing noise must not make the policies think so.
 
-    The sizes take turns (one run of every size, then the next round), after one warm-up round: the
-    policies weigh sizes against each other, so a drift in machine speed during the calibration must
-    move the whole curve, not bend it.
+    A warm-up round goes through each model's sizes in ascending order and stops a model's sizes at the
+    first one costing more than REPAY_LIMIT one-token target passes: on a CPU the sizes that cannot pay
+    are also the slow ones to time. Then the sizes take turns (one run of every size, then the next
+    round): the policies weigh sizes against each other, so a drift in machine speed during the
+    calibration must move the whole curve, not bend it.
     """
     models = {"target": target, "draft": draft}
-    sizes = {"target": TARGET_SIZES, "draft": DRAFT_SIZES}
-    jobs = [(name, n) for name in models for n in sizes[name]]
-    runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
-    first = {n: (repeats - runs[n]) // 2 for n in runs}  # sizes timed fewer times take the middle rounds
-    rounds = [[(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)]
-    bar = tqdm(
-        total=sum(map(len, rounds)),
-        desc="calibrating forward costs",
-        disable=not progress,
-        leave=False,
-    )
     runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
     generator = torch.Generator().manual_seed(0)
     vocab = min(m.config.get_text_config().vocab_size for m in models.values())
-    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
+
+    def time_forward(name: str, n: int) -> float:
+        runner = runners[name]
+        runner.keep(torch.arange(context, device=runner.device))
+        tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
+        start = clock(runner.device)
+        runner.extend(tokens, logits_to_keep=n)
+        return clock(runner.device) - start
+
+    sizes: dict[str, list[int]] = {"target": [], "draft": []}
     with torch.inference_mode():
         for runner in runners.values():
             runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
-        for warmup, round_ in [(True, jobs)] + [(False, r) for r in rounds]:
-            for name, n in round_:
-                runner = runners[name]
-                runner.keep(torch.arange(context, device=runner.device))
-                tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
-                start = clock(runner.device)
-                runner.extend(tokens, logits_to_keep=n)
-                if not warmup:
-                    samples[name][n].append(clock(runner.device) - start)
+        with tqdm(desc="calibrating forward costs (warm-up)", disable=not progress, leave=False) as bar:
+            one_step = None
+            for name, candidates in (("target", TARGET_SIZES), ("draft", DRAFT_SIZES)):
+                for n in candidates:
+                    seconds = time_forward(name, n)
                     bar.update()
-    bar.close()
+                    one_step = one_step or seconds
+                    sizes[name].append(n)
+                    if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
+                        break
+        runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
+        first = {n: (repeats - runs[n]) // 2 for n in runs}  # sizes timed fewer times take the middle rounds
+        jobs = [(name, n) for name in models for n in sizes[name]]
+        rounds = [
+            [(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)
+        ]
+        samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
+        with tqdm(
+            total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
+        ) as bar:
+            for round_ in rounds:
+                for name, n in round_:
+                    samples[name][n].append(time_forward(name, n))
+                    bar.update()
     target_curve, draft_curve = (
         non_decreasing({n: statistics.median(times) for n, times in samples[name].items()}) for name in models
     )

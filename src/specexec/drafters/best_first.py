@@ -48,7 +48,9 @@ class BestFirstDrafter(DrafterBase):
         steps = TreeDraftRunner(request, tree)
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         draft_seconds = 0.0  # the cost model's estimate, for the auto budget
-        drafting = request.max_depth >= 1 and (self.policy is None or self.policy.gate.allows())
+        drafting = request.max_depth >= 1 and (
+            self.policy is None or (self.policy.gate.allows() and self.policy.worth_drafting())
+        )
         for round_ in range(self.max_rounds if drafting else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
             top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)

@@ -61,8 +61,8 @@ class ChainDrafter(DrafterBase):
         return draft
 
     def drafts_now(self) -> bool:
-        """Whether this step drafts at all (the cost stop's gate may pause drafting)."""
-        return self.cost_stop is None or self.cost_stop.gate.allows()
+        """Whether this step drafts at all (the cost stop may pause drafting, or find it cannot pay)."""
+        return self.cost_stop is None or (self.cost_stop.gate.allows() and self.cost_stop.worth_drafting())
 
     def ends_chain(self, confidence: float) -> bool:
         """Whether the token just drafted, the draft's probability for it being `confidence`, is the
