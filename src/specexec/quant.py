@@ -348,6 +348,8 @@ def _group_size(mode: str, group_size: int) -> int:
 
 def quant_label(model: nn.Module) -> str:
     """One of QUANT_MODES: how the model's linear layers are stored (with int8 fallbacks, the 4-bit mode)."""
+    if not isinstance(model, nn.Module):
+        return "none"  # a llama.cpp model: the GGUF's own weights
     modes = {m.mode for m in model.modules() if isinstance(m, QuantLinear)}
     return next((mode for mode in ("w4a8", "int4", "int8") if mode in modes), "none")
 

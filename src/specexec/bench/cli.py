@@ -76,6 +76,7 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         DEFAULT_BUDGETS,
         DEFAULT_DSL_BUDGETS,
         DEFAULT_EXPAND,
+        DEFAULT_LLAMACPP_SPEC_BUDGETS,
         DEFAULT_METHODS,
         DEFAULT_SD_BUDGETS,
         DEFAULT_WIDTH,
@@ -101,8 +102,8 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         "--methods",
         type=_type(_methods),
         default=list(DEFAULT_METHODS),
-        help=f"comma-separated, from {','.join(BENCH_METHODS)} (default all but llamacpp, an optional "
-        "extra); ar always runs first",
+        help=f"comma-separated, from {','.join(BENCH_METHODS)} (default all but llamacpp and "
+        "llamacpp-spec, an optional extra); ar always runs first",
     )
     p.add_argument(
         "--budgets",
@@ -136,6 +137,12 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         f"(default {joined(DEFAULT_DSL_BUDGETS)})",
     )
     p.add_argument("--branches", type=_int_at_least(1), default=DEFAULT_BRANCHES, help="specinfer: chains")
+    p.add_argument(
+        "--llamacpp-spec-budgets",
+        type=_type(_budgets),
+        default=list(DEFAULT_LLAMACPP_SPEC_BUDGETS),
+        help=f"llamacpp-spec: llama.cpp's draft lengths (default {joined(DEFAULT_LLAMACPP_SPEC_BUDGETS)})",
+    )
     p.add_argument(
         "--ngram",
         type=_type(_ngrams),
@@ -184,7 +191,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
 
     from specexec.bench.core import DRAFT_METHODS, BenchError, make_configs, run_benchmark
     from specexec.bench.report import machine_info, write_outputs
-    from specexec.cli import load_pair
+    from specexec.cli import backend_label, load_pair
     from specexec.models import load_tokenizer
     from specexec.prompts import load_prompts
 
@@ -201,19 +208,28 @@ def _run(args: argparse.Namespace, command: str) -> int:
         quants=args.quant,
         ngrams=args.ngram,
         dsl_budgets=args.dsl_budgets,
+        llamacpp_spec_budgets=args.llamacpp_spec_budgets,
     )
     need_draft = any(c.method in DRAFT_METHODS for c in configs)
     tokenizer = load_tokenizer(args.target)
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
     if not prompts:
         raise BenchError(f"prompt set {args.prompts!r} has no prompts")
-    llamacpp = None
+    llamacpp = llamacpp_spec = None
+    longest = max(len(p.input_ids) for p in prompts)
     if "llamacpp" in args.methods:
         from specexec.bench.llamacpp import LlamaCpp
         from specexec.models import gguf_file
 
-        longest = max(len(p.input_ids) for p in prompts)
-        llamacpp = LlamaCpp(gguf_file(args.target), context=longest + args.max_new_tokens + 8)
+        llamacpp = LlamaCpp(gguf_file(args.target), longest + args.max_new_tokens + 8, args.threads)
+    if "llamacpp-spec" in args.methods:
+        from specexec.bench.llamacpp import LlamaCppSpeculative
+        from specexec.models import gguf_file
+
+        context = longest + args.max_new_tokens + max(args.llamacpp_spec_budgets) + 8
+        llamacpp_spec = LlamaCppSpeculative(
+            gguf_file(args.target), gguf_file(args.draft), context, args.threads
+        )
     tokenizer, target, draft = load_pair(args, need_draft, quant=args.quant[0])
     quantized = {level: load_pair(args, need_draft, quant=level)[1:] for level in args.quant[1:]}
 
@@ -235,6 +251,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         records_path=Path(args.out) / "records.jsonl",  # rewritten in order at the end
         quantized=quantized,
         llamacpp=llamacpp,
+        llamacpp_spec=llamacpp_spec,
     )
     machine = machine_info(
         dtype=str(target.dtype).removeprefix("torch."),
@@ -245,6 +262,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         prompt_set=args.prompts,
         seed=args.seed,
         draft_quant=args.draft_quant,
+        backend=backend_label(args),
     )
     paths = write_outputs(args.out, result, machine)
     for row in result.rows:

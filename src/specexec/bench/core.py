@@ -45,16 +45,19 @@ from specexec.sampling import SamplingParams
 
 ENGINE_METHODS = METHODS
 HF_METHODS = ("hf-assisted", "hf-lookup")
-EXTERNAL_METHODS = ("llamacpp",)  # other runtimes, optional extras: never in the default method list
+# Other runtimes, optional extras, never in the default method list: llama.cpp's plain decoding and its
+# own speculative decoding (budget: the draft length).
+EXTERNAL_METHODS = ("llamacpp", "llamacpp-spec")
 BENCH_METHODS = ENGINE_METHODS + HF_METHODS + EXTERNAL_METHODS
 DEFAULT_METHODS = ENGINE_METHODS + HF_METHODS
-BUDGET_METHODS = ("sd", "dsl", "specinfer", "specexec")  # the methods a budget applies to
+BUDGET_METHODS = ("sd", "dsl", "specinfer", "specexec", "llamacpp-spec")  # the methods a budget applies to
 DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec", "hf-assisted")
 PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
 
 DEFAULT_BUDGETS = (16, 64, 256, 1024, "auto")
 DEFAULT_DSL_BUDGETS = ("auto",)
 DEFAULT_SD_BUDGETS = (2, 4, 8)
+DEFAULT_LLAMACPP_SPEC_BUDGETS = (3, 8)
 DEFAULT_EXPAND = 32
 DEFAULT_WIDTH = 8
 DEFAULT_BRANCHES = 4
@@ -172,6 +175,7 @@ def make_configs(
     quants: Sequence[str] = ("none",),
     ngrams: Sequence[int] = (0,),
     dsl_budgets: Sequence[int | str] = DEFAULT_DSL_BUDGETS,
+    llamacpp_spec_budgets: Sequence[int] = DEFAULT_LLAMACPP_SPEC_BUDGETS,
 ) -> list[BenchConfig]:
     """Expand quantization levels x methods x budgets into configurations; `ar` (the reference) is always
     included, first in each level.
@@ -179,19 +183,30 @@ def make_configs(
     sd runs once per `sd_budgets` entry (its draft length), dsl once per `dsl_budgets` entry ("auto" or
     the longest confidence-stopped chain), specinfer once per `specinfer_budgets` entry (default:
     `budgets` without "auto"), specexec once per `budgets` x `ngrams` entry; ar and the HF methods run
-    once per level; llamacpp runs once (its own weights).
+    once per level; llamacpp runs once and llamacpp-spec once per `llamacpp_spec_budgets` entry (their
+    own weights).
     """
     if not quants or not ngrams:
         raise BenchError("at least one quantization level and one ngram setting are needed")
     configs = []
     for quant in dict.fromkeys(quants):
-        budget_lists = (budgets, sd_budgets, dsl_budgets, specinfer_budgets)
+        budget_lists = (budgets, sd_budgets, dsl_budgets, specinfer_budgets, llamacpp_spec_budgets)
         configs += _level_configs(methods, *budget_lists, expand, width, branches, quant, ngrams)
     return list(dict.fromkeys(configs))  # llamacpp, the same at every level, once
 
 
 def _level_configs(
-    methods, budgets, sd_budgets, dsl_budgets, specinfer_budgets, expand, width, branches, quant, ngrams
+    methods,
+    budgets,
+    sd_budgets,
+    dsl_budgets,
+    specinfer_budgets,
+    llamacpp_spec_budgets,
+    expand,
+    width,
+    branches,
+    quant,
+    ngrams,
 ) -> list[BenchConfig]:
     methods = list(dict.fromkeys(["ar", *methods]))
     per_method = {
@@ -199,6 +214,7 @@ def _level_configs(
         "dsl": dsl_budgets,
         "specinfer": [b for b in budgets if b != "auto"] if specinfer_budgets is None else specinfer_budgets,
         "specexec": budgets,
+        "llamacpp-spec": llamacpp_spec_budgets,
     }
     configs = []
     for method in methods:
@@ -215,6 +231,8 @@ def _level_configs(
                     configs.append(BenchConfig(method, budget, expand, width, quant=quant, ngram=n))
             elif method == "specinfer":
                 configs.append(BenchConfig(method, budget, branches=branches, quant=quant))
+            elif method in EXTERNAL_METHODS:
+                configs.append(BenchConfig(method, budget))
             else:
                 configs.append(BenchConfig(method, budget, quant=quant))
     return configs
@@ -246,11 +264,13 @@ def run_benchmark(
     records_path: str | os.PathLike | None = None,
     quantized: Mapping[str, tuple[PreTrainedModel, PreTrainedModel | None]] | None = None,
     llamacpp=None,
+    llamacpp_spec=None,
 ) -> BenchResult:
     """Run every configuration on every prompt (interleaved, after a warm-up) and summarize.
 
     `target`/`draft` run the configurations of their own quantization level; `quantized` maps the other
-    levels to their pairs. `llamacpp` is a `specexec.bench.llamacpp.LlamaCpp`, for the llamacpp method.
+    levels to their pairs. `llamacpp` is a `specexec.bench.llamacpp.LlamaCpp` and `llamacpp_spec` a
+    `specexec.bench.llamacpp.LlamaCppSpeculative`, for the llamacpp and llamacpp-spec methods.
     `eos_token_id` defaults to `eos_token_ids(target, tokenizer)`; the same ids go to every method.
     `warmup_tokens` = 0 skips the warm-up. `repeats` > 1 runs every (prompt, configuration) pair that many
     times with the same seed, so the same tokens, timed again: repeat r goes through the prompts again
@@ -263,8 +283,9 @@ def run_benchmark(
     configs = list(configs)
     prompts = list(prompts)
     pairs = {quant_label(target): (target, draft), **(quantized or {})}
+    external = {"llamacpp": llamacpp, "llamacpp-spec": llamacpp_spec}
     _check(
-        pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
+        pairs, external, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
     )
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
@@ -272,6 +293,10 @@ def run_benchmark(
     def run(config: BenchConfig, prompt: Prompt, tokens: int, prompt_seed: int) -> dict:
         if config.method == "llamacpp":
             return llamacpp.run(prompt.input_ids, tokens, prompt_seed, eos, **sampling)
+        if config.method == "llamacpp-spec":
+            return llamacpp_spec.run(
+                prompt.input_ids, tokens, prompt_seed, eos, draft_length=config.budget, **sampling
+            )
         target, draft = pairs[config.quant]
         if config.method in HF_METHODS:
             return _run_hf(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
@@ -322,7 +347,7 @@ def _config_of(record: dict) -> BenchConfig:
 
 
 def _check(
-    pairs, llamacpp, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
+    pairs, external, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
 ) -> None:
     if not prompts:
         raise BenchError("no prompts to run")
@@ -346,8 +371,13 @@ def _check(
     missing = next(iter(sorted(levels - set(pairs))), None)
     if missing:
         raise BenchError(f"no {missing} model pair was loaded; loaded: {', '.join(pairs)}")
-    if llamacpp is None and any(c.method == "llamacpp" for c in configs):
-        raise BenchError("method 'llamacpp' needs a llama.cpp runner (specexec.bench.llamacpp.LlamaCpp)")
+    for method, runner in external.items():
+        if runner is None and any(c.method == method for c in configs):
+            raise BenchError(f"method {method!r} needs its llama.cpp runner (specexec.bench.llamacpp)")
+    hf = sorted({c.method for c in configs if c.method in HF_METHODS})
+    on_llamacpp = [m for pair in pairs.values() for m in pair if getattr(m, "backend", "torch") == "llamacpp"]
+    if hf and on_llamacpp:
+        raise BenchError(f"{hf[0]} runs Hugging Face models; load the pair with --backend torch")
     for quant, (_, draft) in pairs.items():
         needs_draft = sorted({c.method for c in configs if c.method in DRAFT_METHODS and c.quant == quant})
         if draft is None and needs_draft:

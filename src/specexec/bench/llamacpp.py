@@ -1,9 +1,13 @@
-"""llama.cpp as a benchmark method: plain decoding of the target's GGUF through llama-cpp-python.
+"""llama.cpp as benchmark methods, through llama-cpp-python's high-level `Llama` class, its defaults kept.
 
-Same prompts (token ids, no re-tokenization), same end-of-sequence ids, same clock and the same sampling
-rule (`specexec.sampling`, applied to llama.cpp's logits) as the engine's `ar`. Prefill is llama.cpp's
-evaluation of the prompt minus its last token; decode is one evaluation per new token from there on,
-the engine's accounting exactly.
+- `llamacpp`: plain decoding of the target's GGUF. Same prompts (token ids, no re-tokenization), same
+  end-of-sequence ids, same clock and the same sampling rule (`specexec.sampling`, applied to llama.cpp's
+  logits) as the engine's `ar`. Prefill is llama.cpp's evaluation of the prompt minus its last token;
+  decode is one evaluation per new token from there on, the engine's accounting exactly.
+- `llamacpp-spec`: llama-cpp-python's own speculative decoding (`Llama.generate` with a `draft_model`):
+  the draft GGUF proposes `budget` greedy tokens, the target evaluates them in one batch and samples
+  each position with llama.cpp's own sampler, keeping the draft tokens up to the first mismatch. Prefill
+  (target and draft, the prompt minus its last token) is timed apart, as for the engine.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from specexec.runner import clock
@@ -101,3 +106,133 @@ class LlamaCpp:
                 "llama_cpp_python": self.version,
             },
         }
+
+
+class LlamaCppSpeculative:
+    """llama-cpp-python's speculative decoding: `target` verifies the greedy drafts of `draft` (GGUFs)."""
+
+    def __init__(
+        self, target: str | os.PathLike, draft: str | os.PathLike, context: int, threads: int | None = None
+    ) -> None:
+        from specexec.bench.core import BenchError
+
+        try:
+            import llama_cpp
+        except ImportError:
+            raise BenchError(f"method 'llamacpp-spec' needs llama-cpp-python: {INSTALL_HINT}") from None
+        self.threads = threads or torch.get_num_threads()
+        self.drafter = _GreedyDraft(llama_cpp.Llama(
+            model_path=str(draft), n_ctx=context, n_threads=self.threads, n_threads_batch=self.threads,
+            verbose=False,
+        ))  # fmt: skip
+        self.llm = llama_cpp.Llama(
+            model_path=str(target),
+            n_ctx=context,
+            n_threads=self.threads,
+            n_threads_batch=self.threads,
+            draft_model=self.drafter,
+            verbose=False,
+        )
+        self.names = (Path(target).name, Path(draft).name)
+        self.version = llama_cpp.__version__
+        self.target_calls = 0
+        evaluate = self.llm.eval
+
+        def counted(tokens) -> None:  # each eval during generation is one verification batch
+            self.target_calls += 1
+            evaluate(tokens)
+
+        self.llm.eval = counted
+
+    def run(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        seed: int,
+        eos: list[int],
+        *,
+        draft_length: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+    ) -> dict:
+        llm, drafter = self.llm, self.drafter
+        drafter.length = draft_length
+        llm.reset()
+        llm.set_seed(seed)
+        start = clock(CPU)
+        drafter.prefill(input_ids[:-1])
+        if len(input_ids) > 1:
+            llm.eval(input_ids[:-1])
+        prefill = clock(CPU) - start
+        drafter.calls, drafter.seconds, self.target_calls = 0, 0.0, 0
+        tokens: list[int] = []
+        # llama.cpp's sampler with every other transformation off: temperature, top-k, top-p only.
+        for token in llm.generate(
+            input_ids, reset=False, temp=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
+            typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+        ):  # fmt: skip
+            tokens.append(int(token))
+            if token in eos or len(tokens) >= max_new_tokens:
+                break
+        wall = clock(CPU) - start
+        return {
+            "prompt_tokens": len(input_ids),
+            "new_tokens": len(tokens),
+            "tokens": tokens,
+            "finish_reason": "stop" if tokens[-1] in eos else "length",
+            "target_calls": self.target_calls,
+            "draft_calls": int(drafter.calls),
+            "prefill_seconds": prefill,
+            "decode_seconds": wall - prefill,
+            "wall_seconds": wall,
+            "draft_seconds": drafter.seconds,
+            "target_seconds": wall - prefill - drafter.seconds,  # the rest: target batches and sampling
+            "tree_sizes": [],
+            "tree_depths": [],
+            "accepted": None,
+            "prefill_timing": "llamacpp",
+            "hf_settings": {
+                "gguf": self.names[0],
+                "draft_gguf": self.names[1],
+                "draft_length": draft_length,
+                "threads": self.threads,
+                "llama_cpp_python": self.version,
+            },
+        }
+
+
+class _GreedyDraft:
+    """A `llama_cpp.llama_speculative.LlamaDraftModel`: `length` greedy tokens of a second `Llama`,
+    whose cache follows the target's tokens (the common prefix is kept, the rest re-evaluated)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.length = 3
+        self.calls = 0
+        self.seconds = 0.0
+
+    def prefill(self, ids: list[int]) -> None:
+        self.llm.reset()
+        if ids:
+            self.llm.eval(ids)
+
+    def __call__(self, input_ids: npt.NDArray[np.intc], /, **kwargs) -> npt.NDArray[np.intc]:
+        start = clock(CPU)
+        llm = self.llm
+        cached = llm.input_ids[: llm.n_tokens]
+        common = 0
+        limit = min(len(cached), len(input_ids) - 1)  # the last token is always evaluated: its logits
+        while common < limit and cached[common] == input_ids[common]:
+            common += 1
+        llm.n_tokens = common  # eval drops the cache past n_tokens first
+        llm.eval(list(input_ids[common:]))
+        drafted = []
+        for i in range(self.length):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            drafted.append(token)
+            if i + 1 < self.length:
+                llm.eval([token])
+        self.calls += self.length
+        self.seconds += clock(CPU) - start
+        return np.array(drafted, dtype=np.intc)

@@ -128,6 +128,33 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+SIMD_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
+
+
+def cpu_instruction_sets() -> str:
+    """The CPU's vector instruction sets that kernels choose between (from /proc/cpuinfo)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    flags = set()
+    for line in lines:
+        if line.startswith(("flags", "Features")):  # x86 / ARM
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + ", ".join(SIMD_FLAGS)
+
+
 def machine_info(
     *,
     dtype: str,
@@ -138,6 +165,7 @@ def machine_info(
     seed: int | None = None,
     simulated_offload: str | None = None,
     draft_quant: str | None = None,
+    backend: str | None = None,
 ) -> dict:
     """Where and how the numbers were measured (`simulated_offload` labels simulated target timings)."""
     import torch
@@ -150,6 +178,7 @@ def machine_info(
         version = None
     return {
         "cpu_model": _cpu_model(),
+        "cpu_instruction_sets": cpu_instruction_sets(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
@@ -159,6 +188,7 @@ def machine_info(
         "transformers": transformers.__version__,
         "specexec": version,
         "dtype": dtype,
+        "backend": backend,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": command,
         "target": target,
@@ -221,7 +251,7 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "",
         f"Target `{m('target')}`, draft `{m('draft')}`, prompts `{m('prompt_set')}` "
         f"({_plural(first.get('prompts', 0), 'prompt')}), max_new_tokens {first.get('max_new_tokens')}, "
-        f"{sampling}, seed {m('seed')}, dtype {m('dtype')}, {_plural(first.get('repeats', 1), 'repeat')}.",
+        f"{sampling}, seed {m('seed')}, weights {m('dtype')}, {_plural(first.get('repeats', 1), 'repeat')}.",
         "",
         "| config | tok/call | tok/call (mean per prompt) | decode tok/s | tok/s incl. prefill "
         "| speedup vs ar | draft / target / overhead | tree size | tree depth | target calls | new tokens "
@@ -242,7 +272,8 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         lines += ["", f"**SIMULATED target timings** ({machine['simulated_offload']})."]
     lines += [
         "",
-        f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('torch_threads')} torch threads){gpu}; "
+        f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('cpu_instruction_sets')}, "
+        f"{m('torch_threads')} threads){gpu}; backend {m('backend')}; "
         f"{m('platform')}; Python {m('python')}, torch {m('torch')}, transformers {m('transformers')}, "
         f"specexec {m('specexec')}; {m('date')}.",
         "",
