@@ -121,10 +121,11 @@ class LlamaCppSpeculative:
         except ImportError:
             raise BenchError(f"method 'llamacpp-spec' needs llama-cpp-python: {INSTALL_HINT}") from None
         self.threads = threads or torch.get_num_threads()
-        self.drafter = _GreedyDraft(llama_cpp.Llama(
+        draft_llm = llama_cpp.Llama(
             model_path=str(draft), n_ctx=context, n_threads=self.threads, n_threads_batch=self.threads,
             verbose=False,
-        ))  # fmt: skip
+        )  # fmt: skip
+        self.drafter = _GreedyDraft(draft_llm, lambda: llama_cpp.llama_get_logits_ith(draft_llm.ctx, -1))
         self.llm = llama_cpp.Llama(
             model_path=str(target),
             n_ctx=context,
@@ -167,9 +168,10 @@ class LlamaCppSpeculative:
         prefill = clock(CPU) - start
         drafter.calls, drafter.seconds, self.target_calls = 0, 0.0, 0
         tokens: list[int] = []
-        # llama.cpp's sampler with every other transformation off: temperature, top-k, top-p only.
+        # The prompt minus its last token is cached, so generate evaluates the last token only. llama.cpp's
+        # sampler with every other transformation off: temperature, top-k, top-p only.
         for token in llm.generate(
-            input_ids, reset=False, temp=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
+            input_ids, temp=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
             typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
         ):  # fmt: skip
             tokens.append(int(token))
@@ -206,8 +208,10 @@ class _GreedyDraft:
     """A `llama_cpp.llama_speculative.LlamaDraftModel`: `length` greedy tokens of a second `Llama`,
     whose cache follows the target's tokens (the common prefix is kept, the rest re-evaluated)."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, last_logits) -> None:
         self.llm = llm
+        self.vocab = llm.n_vocab()
+        self.last_logits = last_logits  # the logits of the last token evaluated (a ctypes pointer)
         self.length = 3
         self.calls = 0
         self.seconds = 0.0
@@ -229,7 +233,7 @@ class _GreedyDraft:
         llm.eval(list(input_ids[common:]))
         drafted = []
         for i in range(self.length):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(np.ctypeslib.as_array(self.last_logits(), shape=(self.vocab,))))
             drafted.append(token)
             if i + 1 < self.length:
                 llm.eval([token])
