@@ -321,3 +321,57 @@ def test_sampling_negative_control(gguf_dir: Path) -> None:
     p12 = chi2_pvalue(counts.sum(2), joint.sum(2))
     p23 = chi2_pvalue(counts.sum(0), joint.sum(0))
     assert min(p12, p23) < P_THRESHOLD, (p12, p23)
+
+
+# -- choosing the backend, the command line ---------------------------------------------------------------
+
+
+def test_auto_backend_is_llamacpp_for_gguf_sources_without_torch_only_options(tmp_path: Path) -> None:
+    from specexec.models import ModelSourceError, choose_backend
+
+    gguf = str(tmp_path / "m.gguf")
+    assert choose_backend("auto", gguf, []) == "llamacpp"
+    assert choose_backend("auto", "qwen2.5-coder-1.5b", []) == "llamacpp"
+    assert choose_backend("auto", gguf, ["--quant int8"]) == "torch"
+    assert choose_backend("auto", str(tmp_path), []) == "torch"  # a Hugging Face folder
+    assert choose_backend("torch", gguf, []) == "torch"
+    with pytest.raises(ModelSourceError, match="--quant w4a8 is for the torch backend"):
+        choose_backend("llamacpp", gguf, ["--quant w4a8"])
+    with pytest.raises(ModelSourceError, match="runs GGUF models"):
+        choose_backend("llamacpp", str(tmp_path), [])
+
+
+@pytest.fixture
+def tokenized_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny qwen2 GGUF with a byte-level BPE tokenizer (test_models), caches kept in the test's folder."""
+    from test_models import write_tiny_gguf
+
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    return tmp_path / "tiny.gguf"
+
+
+def test_generate_command_runs_on_llamacpp_and_names_the_backend(tokenized_gguf: Path, capsys) -> None:
+    from specexec.cli import main
+
+    args = ["generate", "--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--threads", "1"]
+    assert main([*args, "--method", "specexec", "--budget", "4", "--max-new-tokens", "6", "ab a"]) == 0
+    err = capsys.readouterr().err
+    assert "[specexec, llamacpp] 6 tokens" in err
+    assert not (tokenized_gguf.parent / "cache" / "tiny").exists()  # the weights were not converted
+    assert main([*args, "--backend", "torch", "--method", "ar", "--max-new-tokens", "6", "ab a"]) == 0
+    assert "[ar, torch] 6 tokens" in capsys.readouterr().err
+
+
+def test_llamacpp_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
+    from specexec.cli import main
+
+    target = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf)]
+    assert main(["generate", *target, "--backend", "llamacpp", "--dtype", "float32", "ab a"]) == 1
+    assert main(["generate", *target, "--method", "specexec", "--budget", "400", "ab a"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "specexec: error: --dtype float32 is for the torch backend; llama.cpp runs the GGUF's own weights",
+        "specexec: error: budget 400 could make trees of more than the 255 leaves llama.cpp verifies in one "
+        "pass; use a budget of at most 255",
+    ]
