@@ -375,3 +375,14 @@ def test_llamacpp_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
         "specexec: error: budget 400 could make trees of more than the 255 leaves llama.cpp verifies in one "
         "pass; use a budget of at most 255",
     ]
+
+
+def test_load_model_takes_a_backend(tokenized_gguf: Path) -> None:
+    from specexec.models import ModelSourceError, load_model
+
+    model = load_model(str(tokenized_gguf), backend="llamacpp", threads=1)
+    assert isinstance(model, LlamaCppModel) and model.threads == 1
+    assert isinstance(load_model(str(tokenized_gguf), backend="auto"), LlamaCppModel)
+    assert not isinstance(load_model(str(tokenized_gguf), quant="int8", backend="auto"), LlamaCppModel)
+    with pytest.raises(ModelSourceError, match="--quant int8 is for the torch backend"):
+        load_model(str(tokenized_gguf), quant="int8", backend="llamacpp")

@@ -260,7 +260,6 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
         check_same_vocab,
         choose_backend,
         default_dtype,
-        load_llamacpp_model,
         load_model,
         load_tokenizer,
     )
@@ -287,14 +286,14 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
     draft = None
     if need_draft:
         check_same_vocab(tokenizer, load_tokenizer(args.draft))
-        if draft_backend == "llamacpp":
-            draft = load_llamacpp_model(args.draft, args.threads)
-        else:
-            draft = load_model(args.draft, dtype, quant=draft_quant, vocab=args.draft_vocab)
-    if target_backend == "llamacpp":
-        target = load_llamacpp_model(args.target, args.threads)
-    else:
-        target = load_model(args.target, dtype, offload=offload, quant=quant)
+        draft = load_model(
+            args.draft, dtype if draft_backend == "torch" else None, quant=draft_quant,
+            vocab=args.draft_vocab, backend=draft_backend, threads=args.threads,
+        )  # fmt: skip
+    target = load_model(
+        args.target, dtype if target_backend == "torch" else None, offload=offload, quant=quant,
+        backend=target_backend, threads=args.threads,
+    )  # fmt: skip
     args.simulated = None
     if args.simulate_offload_gbps is not None:
         from specexec.offload import simulate_offload

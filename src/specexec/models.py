@@ -88,16 +88,22 @@ def default_dtype() -> torch.dtype:
 
 def load_model(
     source: str,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     offload: dict | None = None,
     quant: str = "none",
     vocab: int = 0,
-) -> PreTrainedModel:
+    backend: str = "torch",
+    threads: int | None = None,
+):
     """Load a causal LM in eval mode on the CPU.
+
+    ``backend`` "llamacpp" loads a GGUF source into llama.cpp instead (`specexec.llamacpp.LlamaCppModel`,
+    running on ``threads`` threads); "auto" picks it where `choose_backend` does. The torch backend's
+    options (``dtype``, ``offload``, ``quant``, ``vocab``) are refused there.
 
     ``source`` is a local Hugging Face model folder (safetensors only), a ``.gguf`` file, or one of
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. GGUF sources are converted once into a bf16 cache folder;
-    ``dtype`` is only the in-memory dtype. ``offload`` (keyword arguments of
+    ``dtype`` is only the in-memory dtype (default bfloat16). ``offload`` (keyword arguments of
     ``specexec.offload.offload_model``) streams the decoder layers from host memory to the GPU.
     ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form for the CPU kernels
     (``specexec.quant.quantize_model``). ``vocab`` > 0 makes a draft score only its first ``vocab`` token
@@ -105,6 +111,24 @@ def load_model(
     """
     from specexec.draft_vocab import check_draft_vocab, restrict_draft_vocab
     from specexec.quant import QuantError, quantize_model
+
+    torch_options = [
+        name
+        for name, given in (
+            (f"dtype {dtype}", dtype is not None),
+            ("offloading", offload is not None),
+            (f"--quant {quant}", quant != "none"),
+            ("--draft-vocab", bool(vocab)),
+        )
+        if given
+    ]
+    if choose_backend(backend, source, torch_options) == "llamacpp":
+        from specexec.llamacpp import LlamaCppError, LlamaCppModel
+
+        try:
+            return LlamaCppModel(gguf_file(source), threads)
+        except LlamaCppError as err:
+            raise ModelSourceError(str(err)) from None
 
     if quant != "none" and offload is not None:
         raise QuantError("--quant is for CPU inference; offloading streams NF4 with --quant-offload nf4")
@@ -115,7 +139,7 @@ def load_model(
         check_draft_vocab(vocab, config.get_text_config().vocab_size)
     model = AutoModelForCausalLM.from_pretrained(
         folder,
-        dtype=dtype,
+        dtype=dtype or torch.bfloat16,
         use_safetensors=True,
         trust_remote_code=False,
         local_files_only=True,
@@ -236,16 +260,6 @@ def choose_backend(requested: str, source: str, torch_options: list[str]) -> str
     if requested != "auto":
         raise ModelSourceError(f"unknown backend {requested!r}; choose torch, llamacpp or auto")
     return "llamacpp" if is_gguf and available and not torch_options else "torch"
-
-
-def load_llamacpp_model(source: str, threads: int | None = None):
-    """A GGUF source (a packaged name or a ``.gguf`` path) loaded by llama.cpp (`specexec.llamacpp`)."""
-    from specexec.llamacpp import LlamaCppError, LlamaCppModel
-
-    try:
-        return LlamaCppModel(gguf_file(source), threads)
-    except LlamaCppError as err:
-        raise ModelSourceError(str(err)) from None
 
 
 def gguf_file(source: str) -> Path:

