@@ -231,10 +231,15 @@ def test_auto_budget_generation_is_exact_and_follows_the_regime(models, referenc
 
 
 def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) -> None:
+    from specexec import budget
+
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
     target, draft, _ = models
     first = cached_cost_model(target, draft)
-    assert set(first.target) >= {1, 1024} and set(first.draft) >= {1, 64}
+    # Every size from 1 up to where a forward stops paying (REPAY_LIMIT; a tiny model's costs are mostly
+    # per-call overhead, so how far that is depends on the machine).
+    for curve, sizes in ((first.target, budget.TARGET_SIZES), (first.draft, budget.DRAFT_SIZES)):
+        assert list(curve) == list(sizes[: len(curve)]) and len(curve) >= 2
     assert all(v > 0 for v in [*first.target.values(), *first.draft.values()])
     assert list((tmp_path / "calibration").glob("*.json"))
     monkeypatch.setattr("specexec.budget.calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
