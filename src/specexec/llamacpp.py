@@ -190,8 +190,7 @@ class LlamaCppRunner:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(BATCH, 0, MAX_SEQUENCES)
         self.slots: dict[int, _Slot] = {}
-        self.free_sequences = list(range(MAX_SEQUENCES - 1, 0, -1))  # pop() hands out 1 first
-        self.users = [0] * MAX_SEQUENCES  # slots whose `sequence` is this id
+        self._reset_sequences()
 
     def __del__(self) -> None:
         llama_cpp = getattr(self, "llama_cpp", None)
@@ -406,8 +405,11 @@ class LlamaCppRunner:
         if self.slots or len(self.free_sequences) < MAX_SEQUENCES - 1:
             self.llama_cpp.llama_memory_seq_keep(self.memory, 0)
             self.slots.clear()
-            self.users = [0] * MAX_SEQUENCES
-            self.free_sequences = list(range(MAX_SEQUENCES - 1, 0, -1))
+            self._reset_sequences()
+
+    def _reset_sequences(self) -> None:
+        self.free_sequences = list(range(MAX_SEQUENCES - 1, 0, -1))  # pop() hands out 1 first
+        self.users = [0] * MAX_SEQUENCES  # slots whose `sequence` is this id
 
 
 def _kept_rows(logits_to_keep: int | torch.Tensor, n: int) -> list[int]:

@@ -84,28 +84,10 @@ class LlamaCpp:
                 break
             step_input = token
         wall = clock(CPU) - start
-        return {
-            "prompt_tokens": len(input_ids),
-            "new_tokens": len(tokens),
-            "tokens": tokens,
-            "finish_reason": "stop" if tokens[-1] in eos else "length",
-            "target_calls": len(tokens),
-            "draft_calls": 0,
-            "prefill_seconds": prefill,
-            "decode_seconds": wall - prefill,
-            "wall_seconds": wall,
-            "draft_seconds": 0.0,
-            "target_seconds": wall - prefill,  # llama.cpp's forwards and its sampling, inseparable here
-            "tree_sizes": [0] * len(tokens),
-            "tree_depths": [0] * len(tokens),
-            "accepted": None,
-            "prefill_timing": "llamacpp",
-            "hf_settings": {
-                "gguf": self.gguf.name,
-                "threads": self.threads,
-                "llama_cpp_python": self.version,
-            },
-        }
+        settings = {"gguf": self.gguf.name, "threads": self.threads, "llama_cpp_python": self.version}
+        # llama.cpp's forwards and its sampling are inseparable here: all of decode is target time.
+        record = _record(input_ids, tokens, eos, prefill, wall, len(tokens), 0, 0.0, settings)
+        return {**record, "tree_sizes": [0] * len(tokens), "tree_depths": [0] * len(tokens)}
 
 
 class LlamaCppSpeculative:
@@ -178,30 +160,49 @@ class LlamaCppSpeculative:
             if token in eos or len(tokens) >= max_new_tokens:
                 break
         wall = clock(CPU) - start
-        return {
-            "prompt_tokens": len(input_ids),
-            "new_tokens": len(tokens),
-            "tokens": tokens,
-            "finish_reason": "stop" if tokens[-1] in eos else "length",
-            "target_calls": self.target_calls,
-            "draft_calls": int(drafter.calls),
-            "prefill_seconds": prefill,
-            "decode_seconds": wall - prefill,
-            "wall_seconds": wall,
-            "draft_seconds": drafter.seconds,
-            "target_seconds": wall - prefill - drafter.seconds,  # the rest: target batches and sampling
-            "tree_sizes": [],
-            "tree_depths": [],
-            "accepted": None,
-            "prefill_timing": "llamacpp",
-            "hf_settings": {
-                "gguf": self.names[0],
-                "draft_gguf": self.names[1],
-                "draft_length": draft_length,
-                "threads": self.threads,
-                "llama_cpp_python": self.version,
-            },
+        settings = {
+            "gguf": self.names[0],
+            "draft_gguf": self.names[1],
+            "draft_length": draft_length,
+            "threads": self.threads,
+            "llama_cpp_python": self.version,
         }
+        record = _record(
+            input_ids, tokens, eos, prefill, wall, self.target_calls, int(drafter.calls), drafter.seconds,
+            settings,
+        )  # fmt: skip
+        return {**record, "tree_sizes": [], "tree_depths": []}
+
+
+def _record(
+    input_ids: list[int],
+    tokens: list[int],
+    eos: list[int],
+    prefill: float,
+    wall: float,
+    target_calls: int,
+    draft_calls: int,
+    draft_seconds: float,
+    settings: dict,
+) -> dict:
+    """A bench record of a llama.cpp run, with the engine's accounting: decode = wall - prefill, target
+    time = decode minus the draft's."""
+    return {
+        "prompt_tokens": len(input_ids),
+        "new_tokens": len(tokens),
+        "tokens": tokens,
+        "finish_reason": "stop" if tokens[-1] in eos else "length",
+        "target_calls": target_calls,
+        "draft_calls": draft_calls,
+        "prefill_seconds": prefill,
+        "decode_seconds": wall - prefill,
+        "wall_seconds": wall,
+        "draft_seconds": draft_seconds,
+        "target_seconds": wall - prefill - draft_seconds,
+        "accepted": None,
+        "prefill_timing": "llamacpp",
+        "hf_settings": settings,
+    }
 
 
 class _GreedyDraft:
