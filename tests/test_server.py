@@ -26,7 +26,7 @@ from server_helpers import CONTEXT_WINDOW, SlowModel, byte_tokenizer, live_serve
 
 import specexec
 from specexec.server import add_serve_arguments, create_app
-from specexec.server.text import TextStream
+from specexec.text import TextStream
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
@@ -911,8 +911,10 @@ def test_an_engine_failure_is_a_500_and_the_server_goes_on(tok):
         for stream in (False, True):
             error = assert_error_shape(http.post(C, json={**OK_COMPLETION, "stream": stream}), 500)
             assert error["type"] == "server_error" and "simulated" not in error["message"]
-        assert_healthy(live.url)
+        health = PLAIN.get(live.url + "/health", timeout=10)  # its probe runs a forward, which fails
+        assert health.status_code == 503 and "simulated device failure" in health.json()["error"]
         broken["on"] = False
+        assert_healthy(live.url)
         assert http.post(C, json=OK_COMPLETION).status_code == 200
         assert app.state.engine.history[0].finish_reason == "error"
 

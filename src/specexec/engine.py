@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -26,8 +26,10 @@ from specexec.drafters import (
 )
 from specexec.drafters.base import tree_forward
 from specexec.models import eos_token_ids
+from specexec.prefix_cache import PrefixCache
 from specexec.runner import clock, make_runner
 from specexec.sampling import SamplingParams
+from specexec.text import TextStream
 from specexec.verify import cache_walk, rejection_walk
 
 HEURISTIC_MAX_LENGTH = 64  # a ceiling for the heuristic schedule, which has none of its own
@@ -41,6 +43,7 @@ AUTO_METHODS = ("specexec", "dsl")  # the methods whose budget may be "auto" (si
 DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": "auto", "specinfer": 32, "specexec": "auto"}
 DSL_MAX_LENGTH = 20  # the longest dsl chain under budget "auto"
 AUTO_MAX_BUDGET = 1024  # the largest tree budget "auto" considers
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds its mask, and `cancelled` is checked between
 
 
 class GenerationError(ValueError):
@@ -53,6 +56,7 @@ class Stats:
 
     method: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose target KV came from the prefix cache
     new_tokens: int = 0
     target_calls: int = 0  # verification forwards, prefill excluded
     draft_calls: int = 0  # draft forwards, prefill excluded
@@ -142,6 +146,8 @@ def stream(
     stop_strings: Sequence[str] = (),
     tokenizer=None,
     cost_model: CostModel | None = None,
+    prefix_cache: PrefixCache | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[Chunk]:
     """Speculative decoding, yielding the tokens committed at each step.
 
@@ -164,6 +170,9 @@ def stream(
     Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
     (which needs `tokenizer`).
+    With `prefix_cache`, the KV of the longest cached prefix of the prompt is reused and this
+    generation's is kept there when it ends. The prompt is prefilled PREFILL_CHUNK tokens at a time;
+    when `cancelled()` turns true between two chunks, the generation ends without yielding.
     """
     prompt = _as_token_tensor(input_ids, target)
     if method not in METHODS:
@@ -219,63 +228,93 @@ def stream(
         method, budget, expand, width, max_rounds, branches, ngram, lookahead_schedule,
         confidence_stop, cost_stop,
     )  # fmt: skip
-    # Committed tokens plus scratch slots for the largest tree a step can build, in both caches.
+    # Committed tokens plus scratch slots for the largest tree a step can build, in both caches; the
+    # buffers grow to that as the generation needs them.
     capacity = prompt.numel() + max_new_tokens + drafter.max_tree_size
-    target_runner = make_runner(target, capacity)
-    draft_runner = make_runner(draft, capacity) if method != "ar" else None
+    needed = min(capacity, prompt.numel() + drafter.max_tree_size)
     stats = Stats(method=method, prompt_tokens=prompt.numel())
-
-    # Prefill: everything but the last prompt token, which becomes the first tree root.
-    start = clock(prompt.device)
-    if prompt.numel() > 1:
-        target_runner.extend(prompt[:-1])
-    if draft_runner is not None and prompt.numel() > 1:
-        draft_runner.extend(prompt[:-1])
-    stats.prefill_seconds = clock(prompt.device) - start
+    prompt_list = prompt.tolist()
+    reused = (
+        prefix_cache.take(target, draft if method != "ar" else None, prompt_list) if prefix_cache else None
+    )
+    if reused is not None:
+        target_runner, draft_runner = reused.target, reused.draft
+        # Everything but the last prompt token can be reused: that one becomes the first tree root.
+        stats.cached_tokens = min(reused.shared_with(prompt_list), prompt.numel() - 1)
+        for runner in [target_runner] + ([draft_runner] if draft_runner is not None else []):
+            shared = min(stats.cached_tokens, runner.length)
+            runner.keep(torch.arange(shared, device=prompt.device))
+    else:
+        target_runner = make_runner(target, needed)
+        draft_runner = make_runner(draft, needed) if method != "ar" else None
     runners = [target_runner] + ([draft_runner] if draft_runner is not None else [])
-    for runner in runners:
-        runner.forward_seconds = 0.0  # from here on, decoding time only
+    text = TextStream(tokenizer, stop_strings) if stop_strings else None
 
     committed = prompt
-    decode_start = clock(prompt.device)
-    while True:
-        remaining = max_new_tokens - stats.new_tokens
-        request = DraftRequest(committed, remaining - 1, eos, vocab_size, sampling, generator, draft_runner)
-        proposal = drafter.propose(request)
-        tree = proposal.tree
-        root_slot = committed.numel() - 1
-        logits = tree_forward(target_runner, tree, torch.arange(tree.size, device=prompt.device), root_slot)
-        if method in REJECTION_METHODS:
-            path, bonus = rejection_walk(tree, logits, proposal.draft_probs, sampling, generator)
-        else:
-            path, bonus = cache_walk(tree, logits, sampling, generator)
+    resumable = False  # whether the runners hold exactly `committed` (up to their lengths)
+    try:
+        # Prefill: everything but the last prompt token, which becomes the first tree root.
+        start = clock(prompt.device)
+        for runner in runners:
+            runner.reserve(needed, most=capacity)
+            for first in range(runner.length, prompt.numel() - 1, PREFILL_CHUNK):
+                runner.extend(prompt[first : min(first + PREFILL_CHUNK, prompt.numel() - 1)])
+                if cancelled is not None and cancelled():
+                    resumable = True
+                    return
+        stats.prefill_seconds = clock(prompt.device) - start
+        for runner in runners:
+            runner.forward_seconds = 0.0  # from here on, decoding time only
 
-        # Commit: the root and the accepted path stay in the target cache, and in the draft cache as far
-        # as the draft expanded them; the bonus token becomes the next root.
-        path_nodes = torch.tensor([0, *path], dtype=torch.long, device=prompt.device)
-        target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
-        if draft_runner is not None:
-            seen = path_nodes[tree.expanded[path_nodes]]
-            draft_runner.keep(_with_prefix(min(draft_runner.length, root_slot), root_slot + seen))
-        stats.target_seconds = target_runner.forward_seconds
-        stats.draft_seconds = draft_runner.forward_seconds if draft_runner is not None else 0.0
-        stats.target_calls += 1
-        stats.draft_calls += proposal.draft_calls
-        stats.tree_sizes.append(tree.size - 1)
-        stats.tree_depths.append(int(tree.depths[: tree.size].max()))
-        stats.accepted.append(len(path))
-        drafter.observe(proposal, path)
+        decode_start = clock(prompt.device)
+        while True:
+            for runner in runners:
+                runner.reserve(committed.numel() + drafter.max_tree_size, most=capacity)
+            remaining = max_new_tokens - stats.new_tokens
+            request = DraftRequest(
+                committed, remaining - 1, eos, vocab_size, sampling, generator, draft_runner
+            )
+            proposal = drafter.propose(request)
+            tree = proposal.tree
+            root_slot = committed.numel() - 1
+            logits = tree_forward(
+                target_runner, tree, torch.arange(tree.size, device=prompt.device), root_slot
+            )
+            if method in REJECTION_METHODS:
+                path, bonus = rejection_walk(tree, logits, proposal.draft_probs, sampling, generator)
+            else:
+                path, bonus = cache_walk(tree, logits, sampling, generator)
 
-        generated = committed[prompt.numel() :].tolist()
-        new, finish = _cut(
-            [*tree.tokens[path_nodes[1:]].tolist(), bonus], generated, eos, remaining, stop_strings, tokenizer
-        )
-        stats.new_tokens += len(new)
-        committed = torch.cat([committed, torch.tensor(new, dtype=torch.long, device=prompt.device)])
-        stats.decode_seconds = clock(prompt.device) - decode_start
-        yield Chunk(new, finish, stats)
-        if finish is not None:
-            return
+            # Commit: the root and the accepted path stay in the target cache, and in the draft cache as
+            # far as the draft expanded them; the bonus token becomes the next root.
+            path_nodes = torch.tensor([0, *path], dtype=torch.long, device=prompt.device)
+            target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
+            if draft_runner is not None:
+                seen = path_nodes[tree.expanded[path_nodes]]
+                draft_runner.keep(_with_prefix(min(draft_runner.length, root_slot), root_slot + seen))
+            stats.target_seconds = target_runner.forward_seconds
+            stats.draft_seconds = draft_runner.forward_seconds if draft_runner is not None else 0.0
+            stats.target_calls += 1
+            stats.draft_calls += proposal.draft_calls
+            stats.tree_sizes.append(tree.size - 1)
+            stats.tree_depths.append(int(tree.depths[: tree.size].max()))
+            stats.accepted.append(len(path))
+            drafter.observe(proposal, path)
+
+            new, finish = _cut([*tree.tokens[path_nodes[1:]].tolist(), bonus], eos, remaining, text)
+            stats.new_tokens += len(new)
+            committed = torch.cat([committed, torch.tensor(new, dtype=torch.long, device=prompt.device)])
+            stats.decode_seconds = clock(prompt.device) - decode_start
+            resumable = True
+            yield Chunk(new, finish, stats)
+            resumable = False
+            if finish is not None:
+                resumable = True
+                return
+    finally:
+        # Only at a yield or a clean stop do the runners hold `committed`; after an error, drop them.
+        if prefix_cache is not None and resumable:
+            prefix_cache.put(committed.tolist(), target_runner, draft_runner)
 
 
 def _make_drafter(
@@ -317,14 +356,10 @@ def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:
 
 
 def _cut(
-    new: list[int],
-    generated: list[int],
-    eos: torch.Tensor,
-    remaining: int,
-    stop_strings: Sequence[str],
-    tokenizer,
+    new: list[int], eos: torch.Tensor, remaining: int, text: TextStream | None
 ) -> tuple[list[int], str | None]:
-    """Trim a step's tokens at the first end-of-sequence id (kept), stop string or length limit."""
+    """Trim a step's tokens at the first end-of-sequence id (kept), stop string (`text` follows the
+    generation's text; the token completing the string is kept) or length limit."""
     finish = None
     eos_ids = set(eos.tolist())
     for i, token in enumerate(new):
@@ -333,12 +368,11 @@ def _cut(
             break
     if len(new) >= remaining:
         new, finish = new[:remaining], finish or "length"
-    if stop_strings:
-        full = generated + new
-        if any(s in tokenizer.decode(full) for s in stop_strings):
-            for k in range(len(generated) + 1, len(full) + 1):
-                if any(s in tokenizer.decode(full[:k]) for s in stop_strings):
-                    return new[: k - len(generated)], "stop"
+    if text is not None:
+        before = text.token_count
+        text.add(new)
+        if text.stopped:
+            return new[: text.token_count - before], "stop"
     return new, finish
 
 

@@ -126,6 +126,10 @@ class LlamaCppModel:
         )
         self.generation_config = LlamaCppGenerationConfig(list(eos))
         self.dtype = _weight_type(llama_cpp, self.handle)
+        # float16 keys and values (llama.cpp's default cache type) for every layer's KV heads.
+        head_dim = llama_cpp.llama_model_n_embd(self.handle) // llama_cpp.llama_model_n_head(self.handle)
+        kv_width = llama_cpp.llama_model_n_head_kv(self.handle) * head_dim
+        self.kv_bytes_per_token = 2 * 2 * kv_width * llama_cpp.llama_model_n_layer(self.handle)
         self.version = llama_cpp.__version__
 
     def describe(self) -> str:
@@ -170,23 +174,7 @@ class LlamaCppRunner:
         self.forward_seconds = 0.0
         self.vocab = model.config.vocab_size
         self.last_token_id = self.vocab - 1
-        params = llama_cpp.llama_context_default_params()
-        # Cells: the committed tokens plus every tree node of a step (pruned ones are freed at once).
-        params.n_ctx = capacity + BATCH
-        params.n_batch = params.n_ubatch = BATCH
-        params.n_seq_max = MAX_SEQUENCES
-        params.kv_unified = True  # one cell may belong to many sequences: required for trees
-        params.n_threads = params.n_threads_batch = model.threads
-        params.no_perf = True
-        # Flash attention off: ggml's CPU flash attention sums over cache cells in cell order with
-        # float16 rounding, and accepted paths leave cells out of position order (rejected nodes' cells
-        # are holes the next tree fills), which moved logits by up to 1% on the test models; it also
-        # switches kernels at 64 query rows. Without it, a tree row's logits are the one-token logits
-        # (bit for bit with 8-bit weights in the tests), whatever the tree's size or cell layout.
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self.ctx = llama_cpp.llama_init_from_model(model.handle, params)
-        if not self.ctx:
-            raise LlamaCppError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
+        self.ctx = self._new_context(capacity)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(BATCH, 0, MAX_SEQUENCES)
         self.slots: dict[int, _Slot] = {}
@@ -200,6 +188,29 @@ class LlamaCppRunner:
             self.ctx = None
 
     # The runner interface.
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of this context's KV cache (llama.cpp allocates every cell when the context is made)."""
+        return (self.capacity + BATCH) * self.model.kv_bytes_per_token
+
+    def reserve(self, slots: int, most: int | None = None) -> None:
+        """Make room for at least `slots` slots (twice the capacity where that is more, up to `most`):
+        a larger context, the committed sequence copied into it, any tree dropped."""
+        if slots <= self.capacity:
+            return
+        capacity = max(slots, min(2 * self.capacity, most if most is not None else 2 * self.capacity))
+        llama_cpp = self.llama_cpp
+        self._drop_tree()
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+        state = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
+        ctx = self._new_context(capacity)
+        if self.length and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
+            llama_cpp.llama_free(ctx)
+            raise LlamaCppError("llama.cpp could not copy the KV cache into a larger context")
+        llama_cpp.llama_free(self.ctx)
+        self.ctx, self.memory, self.capacity = ctx, llama_cpp.llama_get_memory(ctx), capacity
 
     def extend(self, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
         """Append `tokens` (n,) to the committed sequence (dropping any tree); logits (m, V) of the kept
@@ -333,6 +344,27 @@ class LlamaCppRunner:
         self.slots.update(moved)
 
     # Internals.
+
+    def _new_context(self, capacity: int):
+        llama_cpp = self.llama_cpp
+        params = llama_cpp.llama_context_default_params()
+        # Cells: the committed tokens plus every tree node of a step (pruned ones are freed at once).
+        params.n_ctx = capacity + BATCH
+        params.n_batch = params.n_ubatch = BATCH
+        params.n_seq_max = MAX_SEQUENCES
+        params.kv_unified = True  # one cell may belong to many sequences: required for trees
+        params.n_threads = params.n_threads_batch = self.model.threads
+        params.no_perf = True
+        # Flash attention off: ggml's CPU flash attention sums over cache cells in cell order with
+        # float16 rounding, and accepted paths leave cells out of position order (rejected nodes' cells
+        # are holes the next tree fills), which moved logits by up to 1% on the test models; it also
+        # switches kernels at 64 query rows. Without it, a tree row's logits are the one-token logits
+        # (bit for bit with 8-bit weights in the tests), whatever the tree's size or cell layout.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx = llama_cpp.llama_init_from_model(self.model.handle, params)
+        if not ctx:
+            raise LlamaCppError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
+        return ctx
 
     def _decode(
         self, tokens: list[int], positions: list[int], rows: list[list[int]], kept: list[int]

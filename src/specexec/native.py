@@ -143,6 +143,15 @@ class NativeDecoder:
         self.keys[:, :, dst] = self.keys[:, :, src]  # advanced indexing copies first: overlap-safe
         self.values[:, :, dst] = self.values[:, :, src]
 
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` slots, the existing ones kept."""
+        self.keys = zero_padded(self.keys, 2, capacity)
+        self.values = zero_padded(self.values, 2, capacity)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s key and value buffers, (H_kv, capacity, D) each."""
         return self.keys[layer], self.values[layer]
@@ -178,6 +187,13 @@ class NativeDecoder:
         # float32 inside, rounded to the activations' dtype before the weight, as Hugging Face does
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return weight * normed.to(self.dtype)
+
+
+def zero_padded(buffer: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`buffer` with dimension `dim` zero-padded to `size` (zeros: masked slots must not hold NaNs)."""
+    shape = list(buffer.shape)
+    shape[dim] = size - buffer.shape[dim]
+    return torch.cat([buffer, buffer.new_zeros(shape)], dim=dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

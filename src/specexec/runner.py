@@ -1,9 +1,11 @@
 """One model behind a narrow interface: forward a block of tokens into chosen KV slots, then keep slots.
 
-The KV cache is preallocated once per generation. Slots [0, length) hold the committed sequence; the
-slots above are scratch space for the current draft tree. A forward writes its keys and values at the
-slots it is given and attends under an explicit mask, so "rolling back" a rejected branch costs nothing:
-it is simply never kept, and its slots are overwritten by the next step.
+The KV cache is one buffer per generation, grown on demand (`reserve`, geometrically, so that a long
+generation copies it only a few times and a short one never holds its worst case). Slots [0, length)
+hold the committed sequence; the slots above are scratch space for the current draft tree. A forward
+writes its keys and values at the slots it is given and attends under an explicit mask, so "rolling
+back" a rejected branch costs nothing: it is simply never kept, and its slots are overwritten by the
+next step. Keeping a prefix (`keep(arange(k))`) truncates the sequence for reuse by a later request.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specexec.native import NativeDecoder, native_unsupported
+from specexec.native import NativeDecoder, native_unsupported, zero_padded
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -31,6 +33,11 @@ class _SlotLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros((*shape, k_dim))  # (1, H_kv, capacity, D)
         self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
         self.is_initialized = True
+
+    def grow(self, capacity: int) -> None:
+        if self.is_initialized:
+            self.keys = zero_padded(self.keys, 2, capacity)
+            self.values = zero_padded(self.values, 2, capacity)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -109,6 +116,18 @@ class HFForward:
         for layer in self.cache.layers:
             layer.gather(src, dst_start)
 
+    def grow(self, capacity: int, slot_positions: torch.Tensor) -> None:
+        self.cache.capacity = capacity
+        self.slot_positions = slot_positions
+        for layer in self.cache.layers:
+            layer.grow(capacity)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(
+            layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers if layer.is_initialized
+        )
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s key and value buffers, (H_kv, capacity, D) each."""
         return self.cache.layers[layer].keys[0], self.cache.layers[layer].values[0]
@@ -130,7 +149,7 @@ class HFForward:
 
 
 class ModelRunner:
-    """Drives one causal LM over slot-addressed KV buffers: `extend`, `forward_tree`, `keep`.
+    """Drives one causal LM over slot-addressed KV buffers: `reserve`, `extend`, `forward_tree`, `keep`.
 
     The forward is `NativeDecoder` where it supports the model (and `native` is not False), else the
     model's own Hugging Face forward (`HFForward`).
@@ -150,6 +169,25 @@ class ModelRunner:
         # A draft may have fewer embedding rows than the target's vocabulary; the ids it cannot read
         # only cost it accuracy (the target decides), so they are clamped instead of crashing.
         self.last_token_id = model.get_input_embeddings().num_embeddings - 1
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by this runner's KV buffers."""
+        return self.backend.kv_bytes
+
+    def reserve(self, slots: int, most: int | None = None) -> None:
+        """Make room for at least `slots` slots, keeping every slot's contents. Grows to twice the current
+        capacity where that is more (but not past `most`), so a growing sequence is copied only a few
+        times."""
+        if slots <= self.capacity:
+            return
+        capacity = max(slots, min(2 * self.capacity, most if most is not None else 2 * self.capacity))
+        self.slot_positions = zero_padded(self.slot_positions, 0, capacity)
+        if isinstance(self.backend, HFForward):
+            self.backend.grow(capacity, self.slot_positions)
+        else:
+            self.backend.grow(capacity)
+        self.capacity = capacity
 
     def extend(self, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
         """Append `tokens` (n,) to the committed sequence; returns logits (m, V) of the kept rows."""
@@ -204,7 +242,8 @@ class ModelRunner:
 
 
 def make_runner(model, capacity: int):
-    """The runner for `model`'s backend: `LlamaCppRunner` for a llama.cpp model, else `ModelRunner`."""
+    """The runner for `model`'s backend: `LlamaCppRunner` for a llama.cpp model, else `ModelRunner`;
+    `capacity` slots to start with (`reserve` adds more)."""
     if getattr(model, "backend", "torch") == "llamacpp":
         from specexec.llamacpp import LlamaCppRunner
 

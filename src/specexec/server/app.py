@@ -9,21 +9,30 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specexec.engine import AUTO_METHODS, DEFAULT_BUDGETS, METHODS, GenerationError, stream
 from specexec.server.metrics import Metrics
-from specexec.server.queue import GenerationQueue, Job, Params, QueueFull, ShuttingDown, Update, random_seed
+from specexec.server.queue import (
+    Admission,
+    GenerationQueue,
+    Job,
+    Params,
+    QueueFull,
+    ShuttingDown,
+    random_seed,
+)
 from specexec.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -37,9 +46,17 @@ from specexec.server.schemas import (
 log = logging.getLogger("specexec.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+BODY_TIMEOUT_SECONDS = 30.0  # a body not received within this is a 408
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
-MAX_TOKENS_WITHOUT_WINDOW = 32768  # for a model whose config states no context window
+DEFAULT_MAX_TOKENS = 4096  # a chat request without max_tokens generates at most this many
+MAX_TOKENS_WITHOUT_WINDOW = 32768  # the context length of a model whose config states none
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+KEEPALIVE_SECONDS = 15.0  # an SSE comment this often while a streamed request waits for its first token
+HEALTH_INTERVAL_SECONDS = 10.0  # /health reuses a forward this recent; older, it runs a probe
+HEALTH_TIMEOUT_SECONDS = 60.0  # a probe not answered within this is a 503
+STALL_SECONDS = 300.0  # a generation without a forward for this long makes /health a 503
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (as vLLM does)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -56,6 +73,13 @@ def create_app(
     eos_token_id: list[int] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     engine_options: Mapping[str, Any] | None = None,
+    max_model_len: int | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    allowed_hosts: Sequence[str] | None = None,
+    body_timeout: float = BODY_TIMEOUT_SECONDS,
+    keepalive_seconds: float = KEEPALIVE_SECONDS,
+    health_interval: float = HEALTH_INTERVAL_SECONDS,
 ) -> FastAPI:
     """An ASGI app serving `target` (sped up by `draft`) through the OpenAI API.
 
@@ -65,8 +89,22 @@ def create_app(
     One generation runs at a time; at most `max_queue` requests wait behind it, and the next one gets a
     429. With `api_key`, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
     `eos_token_id` defaults to every end-of-sequence id of the model and tokenizer.
+
+    Prompt plus completion are at most `max_model_len` tokens (default: the model's context window); a
+    request without max_tokens generates at most `default_max_tokens` (16 on /v1/completions, as
+    OpenAI). KV buffers grow with each generation instead of being sized for the window, and the last
+    generations' KV caches are kept, up to `prefix_cache_bytes`, for requests that begin with the same
+    tokens. With `allowed_hosts` (serve sets the loopback names on a loopback bind), a request whose
+    Host header names another host is refused (DNS rebinding). A body must arrive within
+    `body_timeout` seconds; a streamed request waiting for its first token gets an SSE comment every
+    `keepalive_seconds`; /health runs a one-token forward when none ran in the last `health_interval`
+    seconds.
     """
     engine_options = _check_engine_config(target, draft, method, budget, max_queue, engine_options)
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
     if eos_token_id is None:
         from specexec.models import eos_token_ids
 
@@ -82,9 +120,15 @@ def create_app(
         max_queue=max_queue,
         metrics=metrics,
         engine_options=engine_options,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     text_config = target.config.get_text_config()
-    window: int | None = getattr(text_config, "max_position_embeddings", None)
+    model_window: int | None = getattr(text_config, "max_position_embeddings", None)
+    if max_model_len is not None and model_window is not None and max_model_len > model_window:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's context window of {model_window}"
+        )
+    window: int = max_model_len or model_window or MAX_TOKENS_WITHOUT_WINDOW
     vocab_size: int = text_config.vocab_size
     created = int(time.time())
 
@@ -101,6 +145,10 @@ def create_app(
         title="specexec",
         summary="OpenAI-compatible completions served with speculative decoding",
         lifespan=lifespan,
+        # With a key, the schema and its page are served below, behind the key.
+        docs_url=None if api_key else "/docs",
+        redoc_url=None,
+        openapi_url=None if api_key else "/openapi.json",
     )
     app.state.engine = engine
     # Request handlers tokenize here, off the event loop; the worker has its own tokenizer copy.
@@ -219,8 +267,8 @@ def create_app(
             )
         return ids
 
-    def engine_params(req, prompt_ids: list[int], max_tokens: int | None, default_max: int | None) -> Params:
-        if window is not None and len(prompt_ids) >= window:
+    def engine_params(req, prompt_ids: list[int], max_tokens: int | None, default_max: int) -> Params:
+        if len(prompt_ids) >= window:
             raise APIError(
                 400,
                 f"This model's maximum context length is {window} tokens; the prompt has {len(prompt_ids)} "
@@ -228,17 +276,9 @@ def create_app(
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
-        # Without a known window, still bound the KV cache the engine preallocates.
-        room = MAX_TOKENS_WITHOUT_WINDOW if window is None else window - len(prompt_ids)
+        room = window - len(prompt_ids)
         if max_tokens is None:
-            max_tokens = min(room, default_max or room)
-        elif max_tokens > room and window is None:
-            raise APIError(
-                400,
-                f"max_tokens may be at most {room} on this server.",
-                param="max_tokens",
-                code="invalid_value",
-            )
+            max_tokens = min(room, default_max)
         elif max_tokens > room:
             raise APIError(
                 400,
@@ -264,9 +304,9 @@ def create_app(
             stop=stop_sequences(req.stop),
         )
 
-    def submit(params: Params) -> Job:
+    def admit() -> Admission:
         try:
-            return engine.submit(params, asyncio.get_running_loop())
+            return engine.admit()
         except QueueFull as full:
             raise APIError(
                 429,
@@ -279,38 +319,69 @@ def create_app(
         except ShuttingDown as err:
             raise _as_api_error(err) from None
 
+    def check_json(request: Request) -> None:
+        # Anything else could come from a web page without a CORS preflight (text/plain, no type).
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise APIError(
+                415,
+                f"Content-Type must be application/json, got {media or 'none'}.",
+                code="unsupported_media_type",
+            )
+
     def prepare(req: CompletionRequest | ChatCompletionRequest) -> Params:
         """Tokenize and check one request (in the tokenizer thread: long prompts take a while)."""
         if isinstance(req, ChatCompletionRequest):
             max_tokens = (
                 req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             )
-            return engine_params(req, chat_prompt(req), max_tokens, None)
+            return engine_params(req, chat_prompt(req), max_tokens, default_max_tokens)
         return engine_params(req, completion_prompt(req), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     # ---- endpoints -----------------------------------------------------------------------------------
 
     async def generate(request: Request, chat: bool) -> Response:
         check_key(request)
-        raw = await read_body(request)
-        req = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-        check_model(req.model)
-        reject_unsupported(req)
-        params = await asyncio.get_running_loop().run_in_executor(app.state.tokenize_pool, prepare, req)
-        job = submit(params)
+        check_json(request)
+        admission = admit()  # before the body is read: a full queue costs nothing more
+        try:
+            try:
+                raw = await asyncio.wait_for(read_body(request), body_timeout)
+            except TimeoutError:
+                raise APIError(
+                    408, f"The request body did not arrive within {body_timeout:g} s.", code="timeout"
+                ) from None
+            req = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
+            check_model(req.model)
+            reject_unsupported(req)
+            loop = asyncio.get_running_loop()
+            params = await loop.run_in_executor(app.state.tokenize_pool, prepare, req)
+            try:
+                job = admission.submit(params, loop)
+            except ShuttingDown as err:
+                raise _as_api_error(err) from None
+        finally:
+            admission.release()
         shape = _Shape(chat, model_name, len(params.prompt_ids))
         watch = _DisconnectWatch(request)
         try:
-            # Waits in the queue, then for the first step; a client that leaves meanwhile cancels it.
-            update = await watch.wait(job.next())
+            # Waits in the queue, then for the first step; a client that leaves meanwhile cancels it. A
+            # stream whose first step is slow to come starts at once, with keep-alive comments.
+            first = asyncio.ensure_future(job.next())
+            if not await watch.wait(first, keepalive_seconds if req.stream else None):
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                events = _sse(job, first, shape, include_usage, keepalive_seconds)
+                return _SSEResponse(events, on_close=job.cancel)
+            update = first.result()
             if update.error is not None:
                 raise _as_api_error(update.error)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return _SSEResponse(_sse(job, update, shape, include_usage), on_close=job.cancel)
+                events = _sse(job, first, shape, include_usage, keepalive_seconds)
+                return _SSEResponse(events, on_close=job.cancel)
             text = [update.text]
             while update.finish_reason is None:
-                update = await watch.wait(job.next())
+                update = await watch.result(job.next())
                 if update.error is not None:
                     raise _as_api_error(update.error)
                 text.append(update.text)
@@ -345,16 +416,50 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = engine.ensure_running()
+        """200 when a forward ran in the last `health_interval` seconds (or a probe runs one now), or a
+        generation is in progress and made progress in the last STALL_SECONDS; else 503."""
         body = {
-            "status": "ok" if ok else "error",
+            "status": "ok",
             "model": model_name,
             "method": method,
             "running": int(engine.busy),
             "queue_depth": engine.depth,
             "max_queue": engine.max_queue,
         }
-        return JSONResponse(body, status_code=200 if ok else 503)
+        problem = None
+        if not engine.ensure_running():
+            problem = "the server is shutting down"
+        elif time.perf_counter() - engine.last_forward > health_interval:
+            if engine.busy:
+                if time.perf_counter() - engine.last_forward > STALL_SECONDS:
+                    problem = f"no forward pass in the last {STALL_SECONDS:g} s of a generation"
+            else:
+                probe = asyncio.ensure_future(engine.probe(asyncio.get_running_loop()).next())
+                done, _ = await asyncio.wait({probe}, timeout=HEALTH_TIMEOUT_SECONDS)
+                if not done:
+                    probe.cancel()
+                    problem = f"the health probe did not finish within {HEALTH_TIMEOUT_SECONDS:g} s"
+                elif probe.result().error is not None:
+                    problem = f"the health probe failed: {probe.result().error}"
+        if engine.last_forward:
+            body["last_forward_seconds_ago"] = round(time.perf_counter() - engine.last_forward, 3)
+        if engine.probe_seconds is not None:
+            body["probe_seconds"] = round(engine.probe_seconds, 4)
+        if problem is not None:
+            body.update(status="error", error=problem)
+        return JSONResponse(body, status_code=200 if problem is None else 503)
+
+    if api_key:
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi_schema(request: Request) -> JSONResponse:
+            check_key(request)
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(request: Request) -> HTMLResponse:
+            check_key(request)
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="specexec")
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -362,6 +467,8 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(_Instrument, metrics=metrics)
+    if allowed_hosts is not None:
+        app.add_middleware(_HostCheck, hosts=allowed_hosts)  # outermost: before anything else runs
     app.openapi = _with_schema_defs(app)
     return app
 
@@ -417,6 +524,7 @@ class _Shape:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": int(stats["cached_tokens"]) if stats else 0},
         }
 
     def _envelope(self, obj: str) -> dict:
@@ -469,12 +577,21 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _sse(job: Job, first: Update, shape: _Shape, include_usage: bool) -> AsyncIterator[str]:
-    """The server-sent events of one streamed generation; the job is cancelled however this ends."""
+async def _sse(
+    job: Job, first: asyncio.Future, shape: _Shape, include_usage: bool, keepalive: float
+) -> AsyncIterator[str]:
+    """The server-sent events of one streamed generation; the job is cancelled however this ends.
+
+    While the first update (`first`) has not come, a comment line every `keepalive` seconds keeps
+    proxies and clients from timing the connection out."""
     try:
-        if shape.chat:
+        while not first.done():
+            await asyncio.wait({first}, timeout=keepalive)
+            if not first.done():
+                yield ": keep-alive\n\n"
+        update = first.result()
+        if shape.chat and update.error is None:
             yield _event(shape.chunk("", role=True))
-        update = first
         while True:
             if update.error is not None:
                 err = _as_api_error(update.error)
@@ -490,6 +607,8 @@ async def _sse(job: Job, first: Update, shape: _Shape, include_usage: bool) -> A
             update = await job.next()
         yield "data: [DONE]\n\n"
     finally:
+        if not first.done():
+            first.cancel()
         job.cancel()
 
 
@@ -526,17 +645,20 @@ class _DisconnectWatch:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def wait(self, awaitable):
+    async def wait(self, future: asyncio.Future, timeout: float | None = None) -> bool:
+        """Whether `future` is done within `timeout` seconds (None: no limit); it is not cancelled if
+        not. Raises _ClientGone (cancelling it) as soon as the client disconnects."""
+        await asyncio.wait({future, self._watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._watch.done():
+            future.cancel()
+            raise _ClientGone()
+        return future.done()
+
+    async def result(self, awaitable):
         """The result of `awaitable`; raises _ClientGone as soon as the client disconnects."""
-        task = asyncio.ensure_future(awaitable)
-        try:
-            await asyncio.wait({task, self._watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()
-        if task.done() and not task.cancelled():
-            return task.result()
-        raise _ClientGone()
+        future = asyncio.ensure_future(awaitable)
+        await self.wait(future)
+        return future.result()
 
     def close(self) -> None:
         self._watch.cancel()
@@ -618,3 +740,22 @@ class _Instrument:
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - start)
+
+
+class _HostCheck:
+    """403 for a request whose Host header names a host outside `hosts` (a page on another origin that
+    resolves its name to this machine, DNS rebinding, would otherwise reach a loopback server)."""
+
+    def __init__(self, app: ASGIApp, hosts: Sequence[str]) -> None:
+        self.app = app
+        self.hosts = {h.strip("[]").lower() for h in hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").lower()
+            host = header[1:].partition("]")[0] if header.startswith("[") else header.rpartition(":")[0]
+            if (host or header) not in self.hosts:
+                body = error_body(f"Host {header or '(none)'} is not served here.", code="invalid_host")
+                await JSONResponse(body, status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

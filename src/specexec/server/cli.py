@@ -17,6 +17,8 @@ from pathlib import Path
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16
+DEFAULT_MAX_TOKENS = 4096
+DEFAULT_PREFIX_CACHE_MB = 1024
 _INSTALL_HINT = "pip install 'specexec[server]'"
 
 
@@ -31,6 +33,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
@@ -51,6 +60,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"requests that may wait while one generates; more get 429 (default {DEFAULT_MAX_QUEUE})",
     )
     parser.add_argument(
+        "--max-model-len",
+        type=_positive,
+        default=None,
+        help="most tokens of prompt plus completion per request (default: the model's context window)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=_positive,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"completion tokens of a chat request that sets no max_tokens (default {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=_non_negative,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="MiB of the last requests' KV caches kept for requests that start with the same tokens, such "
+        f"as the next turn of a chat (default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)",
+    )
+    parser.add_argument(
         "--model-name",
         default=None,
         help="the model id clients send and /v1/models lists (default: the --target folder or file name)",
@@ -69,7 +97,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from specexec.server.app import create_app
+        from specexec.server.app import LOOPBACK_HOSTS, create_app
     except ImportError as err:
         print(f"specexec: error: the server needs {err.name}: {_INSTALL_HINT}", file=sys.stderr)
         return 1
@@ -100,13 +128,21 @@ def serve(args: argparse.Namespace) -> int:
             model_name=args.model_name or _model_id(args.target),
             eos_token_id=eos_token_ids(target, tokenizer),
             engine_options=options,
+            max_model_len=args.max_model_len,
+            default_max_tokens=args.default_max_tokens,
+            prefix_cache_bytes=args.prefix_cache_mb << 20,
+            # On a loopback bind, only loopback names: a web page's host that resolves here is refused.
+            allowed_hosts=[*LOOPBACK_HOSTS, args.host] if _is_loopback(args.host) else None,
         )
     except ValueError as err:
         print(f"specexec: error: {err}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
     log.info("serving %s (%s) on http://%s:%d/v1", app.state.model_name, args.method, host, port)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # Connections beyond what the queue admits, plus room for /health and /metrics, get uvicorn's 503.
+    config = uvicorn.Config(
+        app, log_level=args.log_level, timeout_graceful_shutdown=5, limit_concurrency=2 * args.max_queue + 32
+    )
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -33,6 +33,9 @@ class Metrics:
         )
         self.prompt_tokens = Counter("specexec_prompt_tokens", "Prompt tokens processed", registry=r)
         self.completion_tokens = Counter("specexec_completion_tokens", "Tokens generated", registry=r)
+        self.cached_tokens = Counter(
+            "specexec_cached_prompt_tokens", "Prompt tokens whose KV came from the prefix cache", registry=r
+        )
         self.target_calls = Counter(
             "specexec_target_calls", "Target model verification passes (one per decoding step)", registry=r
         )

@@ -1,10 +1,12 @@
 """One generation at a time on a dedicated worker thread, fed by a bounded FIFO queue.
 
-The engine is CPU/GPU-bound torch code, so it never runs on the event loop. The HTTP side submits a
-`Job`; the worker thread runs the jobs one after another and sends each step's text back to the event
-loop through the job's asyncio queue. `Job.cancel()` (a client went away) reaches the worker between two
-decoding steps: the worker stops iterating the engine's generator and takes the next job at once. A job
-still waiting in the queue is simply removed.
+The engine is CPU/GPU-bound torch code, so it never runs on the event loop. The HTTP side first `admit`s
+a request (before reading its body: a full queue answers 429 at once), then submits its `Job`; the
+worker thread runs the jobs one after another and sends each step's text back to the event loop through
+the job's asyncio queue. `Job.cancel()` (a client went away) reaches the worker between two decoding
+steps or two prefill chunks: the worker stops the engine's generator and takes the next job at once. A
+job still waiting in the queue is simply removed. Generations share a prefix cache: a request that
+begins with the tokens of an earlier one (the next turn of a chat) prefills only the rest.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from specexec.engine import GenerationError, Stats, stream
+from specexec.prefix_cache import PrefixCache
+from specexec.runner import make_runner
 from specexec.server.metrics import Metrics
-from specexec.server.text import TextStream
+from specexec.text import TextStream
 
 log = logging.getLogger("specexec.server")
 
@@ -79,7 +85,11 @@ class JobRecord:
 
 
 class Job:
-    def __init__(self, queue: GenerationQueue, job_id: int, params: Params, loop: asyncio.AbstractEventLoop):
+    """One request's generation; `params` None is a health probe (a one-token forward of each model)."""
+
+    def __init__(
+        self, queue: GenerationQueue, job_id: int, params: Params | None, loop: asyncio.AbstractEventLoop
+    ):
         self.id = job_id
         self.params = params
         self.enqueued_at = time.perf_counter()
@@ -88,6 +98,7 @@ class Job:
         self._loop = loop
         self._updates: asyncio.Queue[Update] = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._done = False
 
     @property
     def cancelled(self) -> bool:
@@ -113,6 +124,26 @@ class Job:
             self._cancelled.set()
 
 
+class Admission:
+    """A place in the queue held for a request whose body is still being read and tokenized."""
+
+    def __init__(self, queue: GenerationQueue) -> None:
+        self._queue = queue
+        self._held = True
+
+    def submit(self, params: Params, loop: asyncio.AbstractEventLoop) -> Job:
+        """Turn the place into a queued job."""
+        self.release()
+        return self._queue._enqueue(params, loop)
+
+    def release(self) -> None:
+        """Give the place back (the request failed before its job was queued); idempotent."""
+        with self._queue._cond:
+            if self._held:
+                self._held = False
+                self._queue._admitted -= 1
+
+
 class GenerationQueue:
     """Runs `specexec.stream` for one job at a time, in FIFO order, with at most `max_queue` waiting."""
 
@@ -128,6 +159,7 @@ class GenerationQueue:
         max_queue: int,
         metrics: Metrics,
         engine_options: dict | None = None,
+        prefix_cache_bytes: int = 0,
         history: int = 256,
     ) -> None:
         self.target = target
@@ -145,6 +177,11 @@ class GenerationQueue:
         self.max_queue = max_queue
         self.metrics = metrics
         self.history: deque[JobRecord] = deque(maxlen=history)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.last_forward = 0.0  # perf_counter() after the last forward that ran (step, chunk or probe)
+        self.probe_seconds: float | None = None  # the last health probe's duration
+        self._probe: Job | None = None
+        self._admitted = 0  # requests admitted whose job is not queued yet
         self._pending: deque[Job] = deque()
         self._running: Job | None = None
         self._cond = threading.Condition()
@@ -198,19 +235,37 @@ class GenerationQueue:
     def busy(self) -> bool:
         return self._running is not None
 
-    def submit(self, params: Params, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a job, or raise QueueFull when `max_queue` jobs are already waiting behind a running one.
-
-        Raises ShuttingDown once the queue has been stopped.
-        """
+    def admit(self) -> Admission:
+        """Hold a place for a request, or raise QueueFull when `max_queue` requests already wait (admitted
+        or queued) behind a running one. Raises ShuttingDown once the queue has been stopped."""
         if not self.ensure_running():
             raise ShuttingDown()
         with self._cond:
-            waiting = len(self._pending) + (1 if self._running is not None else 0)
+            waiting = len(self._pending) + self._admitted + (1 if self._running is not None else 0)
             if waiting > self.max_queue:
                 self.metrics.rejected.inc()
-                ahead = len(self._pending) + 1
+                ahead = waiting - (1 if self._running is not None else 0) + 1
                 raise QueueFull(max(1, min(600, math.ceil(self._mean_seconds * ahead))))
+            self._admitted += 1
+        return Admission(self)
+
+    def submit(self, params: Params, loop: asyncio.AbstractEventLoop) -> Job:
+        """Admit and queue a job at once (QueueFull, ShuttingDown as `admit`)."""
+        return self.admit().submit(params, loop)
+
+    def probe(self, loop: asyncio.AbstractEventLoop) -> Job:
+        """A health probe ahead of every waiting job (one at a time: a running probe is shared)."""
+        with self._cond:
+            if self._probe is None or self._probe._done:
+                self._probe = Job(self, next(self._ids), None, loop)
+                self._pending.appendleft(self._probe)
+                self._cond.notify()
+            return self._probe
+
+    def _enqueue(self, params: Params, loop: asyncio.AbstractEventLoop) -> Job:
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown()
             job = Job(self, next(self._ids), params, loop)
             self._pending.append(job)
             self.metrics.queue_depth.set(len(self._pending))
@@ -251,6 +306,9 @@ class GenerationQueue:
                 self.metrics.running.set(0)
 
     def _run(self, job: Job) -> None:
+        if job.params is None:
+            self._run_probe(job)
+            return
         if job.cancelled:
             self._record(job, "cancelled", 0)
             return
@@ -258,6 +316,11 @@ class GenerationQueue:
         job.started_at = time.perf_counter()
         self.metrics.queue_wait.observe(job.started_at - job.enqueued_at)
         text = TextStream(self.tokenizer, p.stop)
+
+        def cancelled() -> bool:  # asked between prefill chunks
+            self.last_forward = time.perf_counter()
+            return job.cancelled
+
         generator = stream(
             self.target,
             self.draft,
@@ -270,8 +333,8 @@ class GenerationQueue:
             top_k=p.top_k,
             seed=p.seed,
             eos_token_id=self.eos_token_id,
-            stop_strings=p.stop,
-            tokenizer=self.tokenizer if p.stop else None,
+            prefix_cache=self.prefix_cache,
+            cancelled=cancelled,
             **self.engine_options,
         )
         stats: Stats | None = None
@@ -279,16 +342,15 @@ class GenerationQueue:
         finish = "cancelled"
         try:
             for chunk in generator:
+                self.last_forward = time.perf_counter()
                 if steps == 0:
-                    self.metrics.first_token.observe(time.perf_counter() - job.started_at)
+                    self.metrics.first_token.observe(self.last_forward - job.started_at)
                 steps += 1
                 stats = chunk.stats
-                final = chunk.finish_reason is not None
-                delta = text.add(chunk.tokens, final=final)
-                if text.stopped:
-                    final = True
-                if final:
-                    finish = chunk.finish_reason or "stop"
+                delta = text.add(chunk.tokens, final=chunk.finish_reason is not None)
+                if text.stopped or chunk.finish_reason is not None:
+                    finish = "stop" if text.stopped else chunk.finish_reason
+                    stats.new_tokens = text.token_count  # tokens past a stop sequence do not count
                     job._push(Update(delta, len(chunk.tokens), finish, self._stats(stats, job)))
                     break
                 if job.cancelled:
@@ -299,13 +361,33 @@ class GenerationQueue:
             finish = "error"
         finally:
             generator.close()
+        if finish == "cancelled" and self._stopping:
+            job._push(Update(error=ShuttingDown()))
         if stats is not None:
             self.metrics.prompt_tokens.inc(stats.prompt_tokens)
+            self.metrics.cached_tokens.inc(stats.cached_tokens)
             self.metrics.completion_tokens.inc(stats.new_tokens)
             self.metrics.target_calls.inc(stats.target_calls)
             if finish in ("stop", "length") and stats.target_calls:
                 self.metrics.tokens_per_step.observe(stats.tokens_per_step)
         self._record(job, finish, steps)
+
+    def _run_probe(self, job: Job) -> None:
+        """A one-token forward of each model: proof that the engine computes, for /health."""
+        start = time.perf_counter()
+        try:
+            for model in (self.target, self.draft):
+                if model is not None:
+                    make_runner(model, 1).extend(torch.zeros(1, dtype=torch.long, device=model.device))
+        except Exception as err:  # reported by /health, not raised: the worker goes on
+            log.exception("health probe failed")
+            job._push(Update(error=err))
+        else:
+            self.last_forward = time.perf_counter()
+            self.probe_seconds = self.last_forward - start
+            job._push(Update(finish_reason="stop"))
+        finally:
+            job._done = True
 
     def _stats(self, stats: Stats, job: Job) -> dict:
         out = stats.to_dict()

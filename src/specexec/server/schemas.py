@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 256  # characters per stop sequence: each is searched for in every step's new text
 
 
 class APIError(Exception):
@@ -217,6 +218,14 @@ def reject_unsupported(request: _Sampling) -> None:
                     raise APIError(
                         400, f"'{param}' is not supported.", param=param, code="unsupported_parameter"
                     )
+            if message.content is None:  # OpenAI allows it only beside tool calls, which are refused
+                param = f"messages.{i}.content"
+                raise APIError(
+                    400,
+                    f"Missing required parameter: '{param}'.",
+                    param=param,
+                    code="missing_required_parameter",
+                )
     for name, unsupported in checks:
         if unsupported:
             raise APIError(
@@ -238,4 +247,11 @@ def stop_sequences(stop: str | list[str] | None) -> list[str]:
         )
     if any(s == "" for s in stops):
         raise APIError(400, "'stop' sequences must not be empty.", param="stop", code="invalid_value")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise APIError(
+            400,
+            f"'stop' sequences may be at most {MAX_STOP_LENGTH} characters long.",
+            param="stop",
+            code="invalid_value",
+        )
     return stops
