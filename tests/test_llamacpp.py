@@ -221,6 +221,39 @@ def test_every_method_reproduces_the_backends_greedy_decoding(model, arch, weigh
             assert out.stats.tokens_per_step > 1.2, args
 
 
+def test_a_context_grows_and_truncates_without_changing_logits(model) -> None:
+    target = model("qwen2", "q8_0")
+    tokens = torch.tensor(PROMPT * 5)
+    whole = LlamaCppRunner(target, len(tokens)).extend(tokens, logits_to_keep=0)
+    runner = LlamaCppRunner(target, 8)
+    small = runner.kv_bytes
+    runner.extend(tokens[:6])
+    runner.reserve(20)  # a new, larger context; the cached tokens copied into it
+    assert runner.capacity == 20 and runner.kv_bytes > small
+    runner.extend(tokens[6:20])
+    runner.reserve(21, most=30)
+    assert runner.capacity == 30
+    runner.reserve(len(tokens))
+    assert torch.equal(runner.extend(tokens[20:], logits_to_keep=0), whole[20:])
+    runner.keep(torch.arange(10))  # truncated: the prefix a later prompt shares
+    assert torch.equal(runner.extend(tokens[10:], logits_to_keep=0), whole[10:])
+
+
+@pytest.mark.parametrize(
+    "args", [dict(method="ar"), dict(method="specexec", budget=16)], ids=["ar", "specexec"]
+)
+def test_a_follow_up_reuses_the_cached_prefix(model, args) -> None:
+    from specexec.prefix_cache import PrefixCache
+
+    target, draft = model("llama", "q8_0"), model("llama", "q8_0", "perturbed")
+    cache = PrefixCache(1 << 30)
+    first = specexec.generate(target, draft, PROMPT, max_new_tokens=12, prefix_cache=cache, **args)
+    turn = PROMPT + first.tokens + [7, 8, 9]
+    reused = specexec.generate(target, draft, turn, max_new_tokens=24, prefix_cache=cache, **args)
+    assert reused.stats.cached_tokens == len(PROMPT) + len(first.tokens) - 1
+    assert reused.tokens == specexec.generate(target, draft, turn, max_new_tokens=24, **args).tokens
+
+
 def test_a_torch_draft_can_serve_a_llamacpp_target(model) -> None:
     """Backends are per model: the engine sees two runners, whatever drives them."""
     from tiny_models import tiny_model

@@ -26,7 +26,6 @@ from server_helpers import CONTEXT_WINDOW, SlowModel, byte_tokenizer, live_serve
 
 import specexec
 from specexec.server import add_serve_arguments, create_app
-from specexec.text import TextStream
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
@@ -573,6 +572,7 @@ BAD_REQUESTS = [
     ("stop a number", "POST", C, with_(OK_COMPLETION, stop=42), None, 400, "invalid_type"),
     ("five stop sequences", "POST", C, with_(OK_COMPLETION, stop=list("abcde")), None, 400, "invalid_value"),
     ("empty stop sequence", "POST", CHAT, with_(OK_CHAT, stop=[""]), None, 400, "invalid_value"),
+    ("stop sequence too long", "POST", CHAT, with_(OK_CHAT, stop=["x" * 257]), None, 400, "invalid_value"),
     ("seed a string", "POST", C, with_(OK_COMPLETION, seed="abc"), None, 400, "invalid_type"),
     ("seed too large", "POST", C, with_(OK_COMPLETION, seed=2**70), None, 400, "invalid_value"),
     ("logprobs", "POST", C, with_(OK_COMPLETION, logprobs=5), None, 400, "unsupported_parameter"),
@@ -595,6 +595,24 @@ BAD_REQUESTS = [
         "POST",
         CHAT,
         with_(OK_CHAT, messages=[{"content": "hi"}]),
+        None,
+        400,
+        "missing_required_parameter",
+    ),
+    (
+        "message without content",
+        "POST",
+        CHAT,
+        with_(OK_CHAT, messages=[{"role": "user"}]),
+        None,
+        400,
+        "missing_required_parameter",
+    ),
+    (
+        "message with null content",
+        "POST",
+        CHAT,
+        with_(OK_CHAT, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]),
         None,
         400,
         "missing_required_parameter",
@@ -781,25 +799,208 @@ def test_fuzz_request_body(fuzz_server, data):
     assert health.status_code == 200 and health.json()["running"] in (0, 1)
 
 
+# ---- operating limits: memory, admission, origins, prefill, prefix reuse, health ------------------------
+
+
+def raw_call(app, method: str, path: str, headers: dict, receive) -> tuple[int, dict, bytes]:
+    """Drive the ASGI app directly: status, headers and body of its response to one request."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 8000),
+    }
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body
+
+
+def test_a_request_without_max_tokens_holds_kv_for_what_it_generates(tok):
+    window = 1 << 17  # a 128k-token context: 64 MB of KV per model if buffers were sized for it
+    target, draft = tiny_pair(len(tok), eos_id=9999, seed=5, window=window)
+    app = create_app(target, draft, tok, budget=4, model_name=MODEL, eos_token_id=[], max_model_len=4096)
+    engine = app.state.engine
+    with live_server(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        assert http.get("/v1/models").json()["data"][0]["context_window"] == 4096
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "stream": True}
+        with http.stream("POST", CHAT, json=body) as r:
+            events = sse_events(r)
+            for _ in range(4):
+                next(events)
+        wait_idle(engine)
+        held = engine.prefix_cache.nbytes  # the cancelled generation's target and draft KV
+        too_long = {"model": MODEL, "prompt": "x", "max_tokens": 4096}
+        assert_error_shape(http.post(C, json=too_long), 400, "context_length_exceeded")
+    config = target.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    print(f"KV held by a request without max_tokens: {held} bytes (window-sized: {2 * window * per_slot})")
+    assert 0 < held <= 2 * 2 * 256 * per_slot
+    with pytest.raises(ValueError, match="max_model_len"):
+        create_app(target, draft, tok, budget=4, max_model_len=window + 1)
+
+
+def test_a_full_queue_answers_429_before_reading_the_body(pair, tok):
+    app = make_app(pair, tok, max_queue=0, body_timeout=0.3)
+    held = app.state.engine.admit()  # the one place there is: a request still sending its body
+    reads = 0
+
+    async def endless_body() -> dict:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": b" " * 65536, "more_body": True}
+
+    headers = {"content-type": "application/json", "content-length": str(4 << 20)}
+    status, response_headers, body = raw_call(app, "POST", C, headers, endless_body)
+    assert status == 429 and json.loads(body)["error"]["code"] == "queue_full"
+    assert int(response_headers["retry-after"]) >= 1
+    assert reads == 0  # refused before a byte of the 4 MiB body was read
+    held.release()
+
+    async def stalled_body() -> dict:
+        await asyncio.sleep(3600)
+
+    status, _, body = raw_call(app, "POST", C, headers, stalled_body)
+    assert status == 408 and json.loads(body)["error"]["code"] == "timeout"
+    assert app.state.engine._admitted == 0  # the slow client's place was given back
+    app.state.engine.stop()
+
+
+def test_only_json_bodies_and_only_served_host_names(pair, tok):
+    from specexec.server.app import LOOPBACK_HOSTS
+
+    app = make_app(pair, tok, allowed_hosts=LOOPBACK_HOSTS)
+    with live_server(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        body = json.dumps(OK_COMPLETION).encode()
+        # A web page can POST these cross-origin without a CORS preflight: they must not be parsed.
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None):
+            headers = {"Content-Type": content_type} if content_type else {}
+            r = http.post(C, content=body, headers=headers)
+            assert_error_shape(r, 415, "unsupported_media_type")
+        ok = http.post(C, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200
+        # DNS rebinding: a page served from another name that resolves to this machine.
+        for host in ("evil.example", "evil.example:8000", "localhost.evil.example"):
+            r = http.get("/v1/models", headers={"Host": host})
+            assert_error_shape(r, 403, "invalid_host")
+        for host in ("localhost", f"localhost:{live.port}", f"127.0.0.1:{live.port}", "[::1]:80"):
+            assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+PREFILL_STEP = 0.05  # seconds added to every target forward of the slow-prefill server
+
+
+def test_a_long_prefill_is_cancelled_within_a_chunk_and_streams_wait_with_keep_alives(tok, monkeypatch):
+    from specexec import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
+    target, draft = tiny_pair(len(tok), eos_id=9999, seed=1)
+    app = create_app(
+        target, draft, tok, method="sd", budget=2, model_name=MODEL, eos_token_id=[], keepalive_seconds=0.1
+    )
+    engine = app.state.engine
+    slow = SlowModel(target, PREFILL_STEP)
+    prompt = "a long prompt " * 20  # 280 tokens: 18 prefill chunks, about 0.9 s
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    try:
+        with live_server(app) as live, httpx.Client(base_url=live.url, timeout=30) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(C, json=body, timeout=0.3)  # gives up during the prefill
+            gave_up = time.perf_counter()
+            wait_idle(engine)
+            record = engine.history[-1]
+            assert record.finish_reason == "cancelled" and record.steps == 0
+            assert record.ended_at - gave_up < 2 * PREFILL_STEP + 0.3
+            # A streamed request waiting for its first token gets comments, then its events.
+            with http.stream("POST", C, json={**body, "stream": True}) as r:
+                lines = [line for line in r.iter_lines() if line]
+            assert lines[0] == ": keep-alive", lines[:3]
+            assert lines[-1] == "data: [DONE]"
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines if line[6:7] == "{")
+            slow.remove()
+            ids = tok(prompt)["input_ids"]
+            out = specexec.generate(
+                target, draft, ids, method="sd", budget=2, max_new_tokens=3, eos_token_id=[]
+            )
+            assert text == tok.decode(out.tokens)
+    finally:
+        slow.remove()
+
+
+def test_a_second_chat_turn_prefills_only_what_is_new(pair, tok):
+    app = make_app(pair, tok)
+    target, _ = pair
+    embedded: list[int] = []
+    hook = target.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _out: embedded.append(args[0].numel())
+    )
+    try:
+        with live_server(app) as live:
+            client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            messages = [{"role": "user", "content": "write a long story about a cat " * 4}]
+            turns = []
+            for question in ("and then?", "why?"):
+                resp = client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=8, temperature=0
+                )
+                turns.append(resp)
+                messages += [
+                    {"role": "assistant", "content": resp.choices[0].message.content},
+                    {"role": "user", "content": question},
+                ]
+            embedded.clear()
+            resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    finally:
+        hook.remove()
+    assert turns[0].usage.prompt_tokens_details.cached_tokens == 0
+    cached = resp.usage.prompt_tokens_details.cached_tokens
+    assert cached >= turns[1].usage.prompt_tokens  # the whole earlier conversation, and some of its answer
+    prefilled = embedded[0]  # the first target forward of the turn is its prefill
+    assert prefilled == resp.usage.prompt_tokens - 1 - cached
+    text, _ = reference(pair, tok, chat_ids(tok, messages), 8)
+    assert resp.choices[0].message.content == text  # reuse changes nothing in the output
+
+
+def test_health_runs_a_forward_when_none_ran_lately_and_docs_need_the_key(pair, tok):
+    target, _ = pair
+    forwards: list[int] = []
+    hook = target.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        app = make_app(pair, tok, api_key=API_KEY, health_interval=0.0)
+        with live_server(app) as live:
+            for expected in (1, 2):
+                health = PLAIN.get(live.url + "/health").json()
+                assert health["status"] == "ok" and health["probe_seconds"] > 0
+                assert len(forwards) == expected  # one target forward per probe
+        app = make_app(pair, tok, api_key=API_KEY, health_interval=3600.0)
+        with live_server(app) as live:
+            PLAIN.get(live.url + "/health")
+            probed = len(forwards)
+            assert PLAIN.get(live.url + "/health").json()["status"] == "ok"
+            assert len(forwards) == probed  # a recent forward answers for the engine
+            for path in ("/docs", "/openapi.json"):
+                assert_error_shape(PLAIN.get(live.url + path), 401, "invalid_api_key")
+                keyed = PLAIN.get(live.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
+                assert keyed.status_code == 200
+    finally:
+        hook.remove()
+
+
 # ---- pieces ----------------------------------------------------------------------------------------------
-
-
-def test_text_stream_holds_back_split_characters_and_stop_prefixes(tok):
-    e_acute = tok("é")["input_ids"]  # two byte tokens
-    assert len(e_acute) == 2
-    text = TextStream(tok)
-    assert text.add(tok("ab")["input_ids"]) == "ab"
-    assert text.add(e_acute[:1]) == ""  # half a character
-    assert text.add(e_acute[1:]) == "é"
-    assert text.add(e_acute[:1], final=True) == "\ufffd"  # a dangling byte at the very end is flushed
-
-    text = TextStream(tok, stop=["STOP", "xyz"])
-    assert text.add(tok("hello S")["input_ids"]) == "hello "  # "S" may begin "STOP"
-    assert text.add(tok("T")["input_ids"]) == ""
-    assert text.add(tok("x")["input_ids"]) == "ST"  # "STx" can no longer become "STOP"; "x" may start "xyz"
-    assert text.add(tok("yzSTOP more")["input_ids"]) == "" and text.stopped
-    assert text.text == "hello ST"  # cut before the first stop sequence, "xyz"
-    assert text.add(tok("later")["input_ids"], final=True) == ""
 
 
 def test_serve_arguments_default_to_loopback():
