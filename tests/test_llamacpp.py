@@ -226,10 +226,10 @@ def test_a_context_grows_and_truncates_without_changing_logits(model) -> None:
     tokens = torch.tensor(PROMPT * 5)
     whole = LlamaCppRunner(target, len(tokens)).extend(tokens, logits_to_keep=0)
     runner = LlamaCppRunner(target, 8)
-    small = runner.kv_bytes
+    small = runner.nbytes
     runner.extend(tokens[:6])
     runner.reserve(20)  # a new, larger context; the cached tokens copied into it
-    assert runner.capacity == 20 and runner.kv_bytes > small
+    assert runner.capacity == 20 and runner.nbytes > small
     runner.extend(tokens[6:20])
     runner.reserve(21, most=30)
     assert runner.capacity == 30

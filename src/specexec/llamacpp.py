@@ -190,7 +190,7 @@ class LlamaCppRunner:
     # The runner interface.
 
     @property
-    def kv_bytes(self) -> int:
+    def nbytes(self) -> int:
         """Bytes of this context's KV cache (llama.cpp allocates every cell when the context is made)."""
         return (self.capacity + BATCH) * self.model.kv_bytes_per_token
 

@@ -149,7 +149,7 @@ class NativeDecoder:
         self.values = zero_padded(self.values, 2, capacity)
 
     @property
-    def kv_bytes(self) -> int:
+    def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

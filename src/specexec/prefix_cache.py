@@ -26,7 +26,7 @@ class CachedPrefix:
 
     @property
     def nbytes(self) -> int:
-        return self.target.kv_bytes + (self.draft.kv_bytes if self.draft is not None else 0)
+        return self.target.nbytes + (self.draft.nbytes if self.draft is not None else 0)
 
     def shared_with(self, prompt: Sequence[int]) -> int:
         """How many leading tokens this entry's target cache shares with `prompt`."""

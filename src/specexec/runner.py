@@ -123,7 +123,7 @@ class HFForward:
             layer.grow(capacity)
 
     @property
-    def kv_bytes(self) -> int:
+    def nbytes(self) -> int:
         return sum(
             layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers if layer.is_initialized
         )
@@ -171,9 +171,9 @@ class ModelRunner:
         self.last_token_id = model.get_input_embeddings().num_embeddings - 1
 
     @property
-    def kv_bytes(self) -> int:
-        """Bytes held by this runner's KV buffers."""
-        return self.backend.kv_bytes
+    def nbytes(self) -> int:
+        """Memory this runner holds for its generation: its KV buffers."""
+        return self.backend.nbytes
 
     def reserve(self, slots: int, most: int | None = None) -> None:
         """Make room for at least `slots` slots, keeping every slot's contents. Grows to twice the current

@@ -45,6 +45,9 @@ class Metrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        self.prefix_cache_bytes = Gauge(
+            "specexec_prefix_cache_bytes", "KV bytes kept for prefix reuse", registry=r
+        )
         self.queue_depth = Gauge("specexec_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("specexec_running", "Generations running now (0 or 1)", registry=r)
         self.queue_wait = Histogram(

@@ -361,6 +361,7 @@ class GenerationQueue:
             finish = "error"
         finally:
             generator.close()
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
         if finish == "cancelled" and self._stopping:
             job._push(Update(error=ShuttingDown()))
         if stats is not None:
