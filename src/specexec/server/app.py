@@ -366,19 +366,17 @@ def create_app(
         watch = _DisconnectWatch(request)
         try:
             # Waits in the queue, then for the first step; a client that leaves meanwhile cancels it. A
-            # stream whose first step is slow to come starts at once, with keep-alive comments.
+            # stream whose first step is slow to come starts at once, with keep-alive comments; one
+            # whose first step failed is answered with the error's status.
             first = asyncio.ensure_future(job.next())
-            if not await watch.wait(first, keepalive_seconds if req.stream else None):
+            came = await watch.wait(first, keepalive_seconds if req.stream else None)
+            if req.stream and not (came and first.result().error is not None):
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 events = _sse(job, first, shape, include_usage, keepalive_seconds)
                 return _SSEResponse(events, on_close=job.cancel)
             update = first.result()
             if update.error is not None:
                 raise _as_api_error(update.error)
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                events = _sse(job, first, shape, include_usage, keepalive_seconds)
-                return _SSEResponse(events, on_close=job.cancel)
             text = [update.text]
             while update.finish_reason is None:
                 update = await watch.result(job.next())

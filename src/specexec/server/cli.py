@@ -101,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"specexec: error: the server needs {err.name}: {_INSTALL_HINT}", file=sys.stderr)
         return 1
-    from specexec.cli import load_pair
+    from specexec.cli import backend_label, load_pair
     from specexec.models import eos_token_ids
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -138,7 +138,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"specexec: error: {err}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
-    log.info("serving %s (%s) on http://%s:%d/v1", app.state.model_name, args.method, host, port)
+    log.info(
+        "serving %s (%s, %s) on http://%s:%d/v1",
+        app.state.model_name,
+        args.method,
+        backend_label(args),
+        host,
+        port,
+    )
     # Connections beyond what the queue admits, plus room for /health and /metrics, get uvicorn's 503.
     config = uvicorn.Config(
         app, log_level=args.log_level, timeout_graceful_shutdown=5, limit_concurrency=2 * args.max_queue + 32
