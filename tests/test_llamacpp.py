@@ -227,6 +227,7 @@ def test_a_context_grows_and_truncates_without_changing_logits(model) -> None:
     whole = LlamaCppRunner(target, len(tokens)).extend(tokens, logits_to_keep=0)
     runner = LlamaCppRunner(target, 8)
     small = runner.nbytes
+    assert small > MAX_SEQUENCES * target.config.vocab_size * 4  # the logits reserve counts too
     runner.extend(tokens[:6])
     runner.reserve(20)  # a new, larger context; the cached tokens copied into it
     assert runner.capacity == 20 and runner.nbytes > small

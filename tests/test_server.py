@@ -905,9 +905,9 @@ PREFILL_STEP = 0.05  # seconds added to every target forward of the slow-prefill
 
 
 def test_a_long_prefill_is_cancelled_within_a_chunk_and_streams_wait_with_keep_alives(tok, monkeypatch):
-    from specexec import engine as engine_module
+    from specexec import runner as runner_module
 
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 16)
     target, draft = tiny_pair(len(tok), eos_id=9999, seed=1)
     app = create_app(
         target, draft, tok, method="sd", budget=2, model_name=MODEL, eos_token_id=[], keepalive_seconds=0.1

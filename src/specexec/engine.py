@@ -27,7 +27,7 @@ from specexec.drafters import (
 from specexec.drafters.base import tree_forward
 from specexec.models import eos_token_ids
 from specexec.prefix_cache import PrefixCache
-from specexec.runner import clock, make_runner
+from specexec.runner import clock, make_runner, prefill
 from specexec.sampling import SamplingParams
 from specexec.text import TextStream
 from specexec.verify import cache_walk, rejection_walk
@@ -43,7 +43,6 @@ AUTO_METHODS = ("specexec", "dsl")  # the methods whose budget may be "auto" (si
 DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": "auto", "specinfer": 32, "specexec": "auto"}
 DSL_MAX_LENGTH = 20  # the longest dsl chain under budget "auto"
 AUTO_MAX_BUDGET = 1024  # the largest tree budget "auto" considers
-PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds its mask, and `cancelled` is checked between
 
 
 class GenerationError(ValueError):
@@ -171,8 +170,10 @@ def stream(
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
     (which needs `tokenizer`).
     With `prefix_cache`, the KV of the longest cached prefix of the prompt is reused and this
-    generation's is kept there when it ends. The prompt is prefilled PREFILL_CHUNK tokens at a time;
-    when `cancelled()` turns true between two chunks, the generation ends without yielding.
+    generation's is kept there when it ends. The prompt is prefilled `runner.PREFILL_CHUNK` tokens at a
+    time; when `cancelled()` turns true between two chunks, the generation ends without yielding. The
+    draft is prefilled only if the drafter expects to draft (an auto budget may find that drafting
+    cannot pay on this machine); otherwise it catches up when it first drafts.
     """
     prompt = _as_token_tensor(input_ids, target)
     if method not in METHODS:
@@ -255,13 +256,11 @@ def stream(
     try:
         # Prefill: everything but the last prompt token, which becomes the first tree root.
         start = clock(prompt.device)
-        for runner in runners:
+        for runner in runners if drafter.may_draft() else [target_runner]:
             runner.reserve(needed, most=capacity)
-            for first in range(runner.length, prompt.numel() - 1, PREFILL_CHUNK):
-                runner.extend(prompt[first : min(first + PREFILL_CHUNK, prompt.numel() - 1)])
-                if cancelled is not None and cancelled():
-                    resumable = True
-                    return
+            if not prefill(runner, prompt[runner.length : -1], cancelled):
+                resumable = True
+                return
         stats.prefill_seconds = clock(prompt.device) - start
         for runner in runners:
             runner.forward_seconds = 0.0  # from here on, decoding time only

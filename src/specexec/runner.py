@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -239,6 +240,19 @@ class ModelRunner:
         src, dst_start = src[first:], dst_start + first
         self.backend.gather(src, dst_start)
         self.slot_positions[dst_start : dst_start + src.numel()] = self.slot_positions[src].clone()
+
+
+PREFILL_CHUNK = 512  # tokens per forward when catching up on many: bounds the mask, allows cancelling
+
+
+def prefill(runner, tokens: torch.Tensor, cancelled: Callable[[], bool] | None = None) -> bool:
+    """Append `tokens` (n,) to `runner`'s committed sequence, PREFILL_CHUNK at a time. Returns False if
+    `cancelled()` turned true between two chunks (what was prefilled stays)."""
+    for first in range(0, tokens.numel(), PREFILL_CHUNK):
+        runner.extend(tokens[first : first + PREFILL_CHUNK])
+        if cancelled is not None and cancelled():
+            return False
+    return True
 
 
 def make_runner(model, capacity: int):

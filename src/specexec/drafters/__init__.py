@@ -14,6 +14,9 @@ class NoDrafter(DrafterBase):
 
     max_tree_size = 1
 
+    def may_draft(self) -> bool:
+        return False
+
     def propose(self, request: DraftRequest) -> Draft:
         return Draft(DraftTree(int(request.committed[-1]), 1, request.committed.device))
 

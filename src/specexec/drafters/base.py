@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specexec.runner import ModelRunner
+from specexec.runner import ModelRunner, prefill
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree
 
@@ -43,6 +43,8 @@ class Drafter(Protocol):
 
     def propose(self, request: DraftRequest) -> Draft: ...
 
+    def may_draft(self) -> bool: ...
+
     def observe(self, draft: Draft, path: Sequence[int]) -> None: ...
 
 
@@ -50,6 +52,11 @@ class DrafterBase:
     """Default behaviour: drafters that do not learn from verification results ignore them."""
 
     max_tree_size: int
+
+    def may_draft(self) -> bool:
+        """Whether this drafter expects to draft at all now; if not, the engine does not prefill the draft
+        model (it catches up on the committed tokens when it first drafts)."""
+        return True
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:
         """Called after each verification with the accepted tree nodes, root excluded, in order."""
@@ -71,7 +78,8 @@ class TreeDraftRunner:
     def expand_root(self) -> torch.Tensor:
         """Draft logits (1, V) for the root's children; also feeds any committed tokens it has not seen."""
         missing = self.request.committed[self.runner.length :]  # (m,), ends with the root
-        logits = self.runner.extend(missing, logits_to_keep=1)
+        prefill(self.runner, missing[:-1])  # a draft that has not drafted for a while, or ever
+        logits = self.runner.extend(missing[-1:], logits_to_keep=1)
         self.tree.expanded[0] = True
         self.calls += 1
         return self._fit_vocab(logits)

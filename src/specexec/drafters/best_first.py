@@ -43,6 +43,9 @@ class BestFirstDrafter(DrafterBase):
         self.last_seconds = 0.0  # the auto budget's estimate of the last step's time
         self.max_tree_size = budget + 1 + self.expand * self.width + 2 * ngram
 
+    def may_draft(self) -> bool:
+        return self.policy is None or self.policy.worth_drafting()
+
     def propose(self, request: DraftRequest) -> Draft:
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         steps = TreeDraftRunner(request, tree)

@@ -60,6 +60,9 @@ class ChainDrafter(DrafterBase):
         draft.draft_calls = steps.calls
         return draft
 
+    def may_draft(self) -> bool:
+        return self.cost_stop is None or self.cost_stop.worth_drafting()
+
     def drafts_now(self) -> bool:
         """Whether this step drafts at all (the cost stop may pause drafting, or find it cannot pay)."""
         return self.cost_stop is None or (self.cost_stop.gate.allows() and self.cost_stop.worth_drafting())

@@ -382,13 +382,13 @@ class GenerationQueue:
                     make_runner(model, 1).extend(torch.zeros(1, dtype=torch.long, device=model.device))
         except Exception as err:  # reported by /health, not raised: the worker goes on
             log.exception("health probe failed")
-            job._push(Update(error=err))
+            update = Update(error=err)
         else:
             self.last_forward = time.perf_counter()
             self.probe_seconds = self.last_forward - start
-            job._push(Update(finish_reason="stop"))
-        finally:
-            job._done = True
+            update = Update(finish_reason="stop")
+        job._done = True  # before the update: whoever reads it may ask for the next probe at once
+        job._push(update)
 
     def _stats(self, stats: Stats, job: Job) -> dict:
         out = stats.to_dict()
