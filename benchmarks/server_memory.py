@@ -2,7 +2,7 @@
 
 Starts the server (the default pair, plus any arguments after `--`), reads its resident set, streams one
 chat request that sets no max_tokens, closes it after `--chunks` content events, and reads the server's
-high-water mark. Run it against an older checkout with PYTHONPATH=OLD/src to compare.
+high-water mark since the request was sent. Run it against an older checkout with PYTHONPATH=OLD/src to compare.
 
     python benchmarks/server_memory.py
     PYTHONPATH=/tmp/old/src python benchmarks/server_memory.py
@@ -31,6 +31,7 @@ def main() -> int:
     port = free_port()
     proc = start_server(port, args.serve_args, args.log)
     try:
+        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # the high-water mark restarts from now
         before = memory_kib(proc.pid)
         body = {
             "model": "m", "messages": [{"role": "user", "content": "Write a long story about a cat."}],

@@ -398,10 +398,19 @@ def test_chain_pays_only_where_speculation_can_win() -> None:
 
 
 def test_auto_methods_skip_the_draft_pass_where_no_chain_can_pay(models, reference) -> None:
-    """On such a machine the default decodes plainly from the first step: no draft pass is spent."""
+    """On such a machine the default decodes plainly from the first step: no draft pass is spent, not
+    even the prompt's prefill (the draft model is never run)."""
     avx2 = CostModel({1: 0.051, 2: 0.087, 4: 0.128, 8: 0.319, 16: 0.42}, {1: 0.025, 8: 0.14})
-    for method in ("specexec", "dsl"):
-        out = auto_generate(models, method, avx2)
-        assert out.tokens == reference
-        assert out.stats.draft_calls == 0, method
-        assert set(out.stats.tree_sizes) == {0}, method
+    draft_forwards: list[int] = []
+    hook = models[1].get_input_embeddings().register_forward_hook(lambda *_: draft_forwards.append(1))
+    try:
+        for method in ("specexec", "dsl"):
+            out = auto_generate(models, method, avx2)
+            assert out.tokens == reference
+            assert out.stats.draft_calls == 0, method
+            assert set(out.stats.tree_sizes) == {0}, method
+        assert draft_forwards == []
+        # The negative control: where drafting pays, the draft model runs.
+        assert auto_generate(models, "specexec", FLAT).stats.draft_calls > 0 and draft_forwards
+    finally:
+        hook.remove()

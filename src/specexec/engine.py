@@ -235,40 +235,47 @@ def stream(
     needed = min(capacity, prompt.numel() + drafter.max_tree_size)
     stats = Stats(method=method, prompt_tokens=prompt.numel())
     prompt_list = prompt.tolist()
-    reused = (
-        prefix_cache.take(target, draft if method != "ar" else None, prompt_list) if prefix_cache else None
-    )
+    pair_draft = draft if method != "ar" else None
+    reused = prefix_cache.take(target, pair_draft, prompt_list) if prefix_cache else None
     if reused is not None:
         target_runner, draft_runner = reused.target, reused.draft
         # Everything but the last prompt token can be reused: that one becomes the first tree root.
         stats.cached_tokens = min(reused.shared_with(prompt_list), prompt.numel() - 1)
-        for runner in [target_runner] + ([draft_runner] if draft_runner is not None else []):
-            shared = min(stats.cached_tokens, runner.length)
-            runner.keep(torch.arange(shared, device=prompt.device))
+        for runner in (target_runner, draft_runner):
+            if runner is not None:
+                shared = min(stats.cached_tokens, runner.length)
+                runner.keep(torch.arange(shared, device=prompt.device))
     else:
-        target_runner = make_runner(target, needed)
-        draft_runner = make_runner(draft, needed) if method != "ar" else None
-    runners = [target_runner] + ([draft_runner] if draft_runner is not None else [])
+        target_runner, draft_runner = make_runner(target, needed), None
     text = TextStream(tokenizer, stop_strings) if stop_strings else None
 
     committed = prompt
     resumable = False  # whether the runners hold exactly `committed` (up to their lengths)
     try:
-        # Prefill: everything but the last prompt token, which becomes the first tree root.
+        # Prefill: everything but the last prompt token, which becomes the first tree root. The draft
+        # model gets a runner (and a prefill) only once the drafter expects to draft: an auto budget
+        # may find that drafting cannot pay on this machine, and then the draft costs nothing.
         start = clock(prompt.device)
-        for runner in runners if drafter.may_draft() else [target_runner]:
+        drafting = pair_draft is not None and drafter.may_draft()
+        if drafting and draft_runner is None:
+            draft_runner = make_runner(pair_draft, needed)
+        for runner in [target_runner, draft_runner] if drafting else [target_runner]:
             runner.reserve(needed, most=capacity)
             if not prefill(runner, prompt[runner.length : -1], cancelled):
                 resumable = True
                 return
         stats.prefill_seconds = clock(prompt.device) - start
-        for runner in runners:
-            runner.forward_seconds = 0.0  # from here on, decoding time only
+        for runner in (target_runner, draft_runner):
+            if runner is not None:
+                runner.forward_seconds = 0.0  # from here on, decoding time only
 
         decode_start = clock(prompt.device)
         while True:
-            for runner in runners:
-                runner.reserve(committed.numel() + drafter.max_tree_size, most=capacity)
+            if pair_draft is not None and draft_runner is None and drafter.may_draft():
+                draft_runner = make_runner(pair_draft, committed.numel() + drafter.max_tree_size)
+            for runner in (target_runner, draft_runner):
+                if runner is not None:
+                    runner.reserve(committed.numel() + drafter.max_tree_size, most=capacity)
             remaining = max_new_tokens - stats.new_tokens
             request = DraftRequest(
                 committed, remaining - 1, eos, vocab_size, sampling, generator, draft_runner
@@ -313,7 +320,7 @@ def stream(
     finally:
         # Only at a yield or a clean stop do the runners hold `committed`; after an error, drop them.
         if prefix_cache is not None and resumable:
-            prefix_cache.put(committed.tolist(), target_runner, draft_runner)
+            prefix_cache.put(committed.tolist(), target, pair_draft, target_runner, draft_runner)
 
 
 def _make_drafter(

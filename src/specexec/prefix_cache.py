@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 @dataclass
 class CachedPrefix:
-    """Runners of a finished generation: `tokens` (the first `runner.length` of which each one holds)."""
+    """Runners of a finished generation of a model pair: `tokens`, the first `runner.length` of which
+    each one holds (the draft's runner is None if it was never needed)."""
 
     tokens: list[int]
+    target_model: object
+    draft_model: object | None
     target: object  # a runner (ModelRunner or LlamaCppRunner)
     draft: object | None
 
@@ -61,7 +64,7 @@ class PrefixCache:
         with self._lock:
             best, shared = None, 0
             for entry in self._entries:
-                if entry.target.model is not target or _model(entry.draft) is not draft:
+                if entry.target_model is not target or entry.draft_model is not draft:
                     continue
                 n = entry.shared_with(prompt)
                 if n and n >= shared:  # ties go to the most recent
@@ -70,9 +73,10 @@ class PrefixCache:
                 self._entries.remove(best)
             return best
 
-    def put(self, tokens: Sequence[int], target_runner, draft_runner) -> None:
-        """Keep these runners (holding the first `length` of `tokens` each) as the most recent entry."""
-        entry = CachedPrefix(list(tokens), target_runner, draft_runner)
+    def put(self, tokens: Sequence[int], target, draft, target_runner, draft_runner) -> None:
+        """Keep the runners of models `target` and `draft` (None for plain decoding), each holding the
+        first `length` of `tokens`, as the most recent entry."""
+        entry = CachedPrefix(list(tokens), target, draft, target_runner, draft_runner)
         with self._lock:
             if entry.nbytes > self.max_bytes:
                 return
@@ -84,7 +88,3 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-
-
-def _model(runner):
-    return runner.model if runner is not None else None

@@ -92,8 +92,9 @@ class TreeDraftRunner:
         return self._fit_vocab(logits)
 
     def keep_nodes(self, nodes: torch.Tensor) -> None:
-        """Renumber the tree to `nodes` and move their draft KV along with them."""
-        self.runner.move(self.root_slot + nodes, self.root_slot)
+        """Renumber the tree to `nodes` and move their draft KV along with them (if any was computed)."""
+        if self.calls:
+            self.runner.move(self.root_slot + nodes, self.root_slot)
         self.tree.keep(nodes)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
