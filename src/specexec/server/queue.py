@@ -249,10 +249,6 @@ class GenerationQueue:
             self._admitted += 1
         return Admission(self)
 
-    def submit(self, params: Params, loop: asyncio.AbstractEventLoop) -> Job:
-        """Admit and queue a job at once (QueueFull, ShuttingDown as `admit`)."""
-        return self.admit().submit(params, loop)
-
     def probe(self, loop: asyncio.AbstractEventLoop) -> Job:
         """A health probe ahead of every waiting job (one at a time: a running probe is shared)."""
         with self._cond:
