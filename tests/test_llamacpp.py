@@ -221,23 +221,28 @@ def test_every_method_reproduces_the_backends_greedy_decoding(model, arch, weigh
             assert out.stats.tokens_per_step > 1.2, args
 
 
-def test_a_context_grows_and_truncates_without_changing_logits(model) -> None:
+def test_a_context_grows_and_truncates_without_changing_logits(model, monkeypatch) -> None:
+    from specexec import llamacpp
+
+    monkeypatch.setattr(llamacpp, "CELL_BLOCK", 4)  # contexts in blocks of 4 cells, to grow often
     target = model("qwen2", "q8_0")
     tokens = torch.tensor(PROMPT * 5)
     whole = LlamaCppRunner(target, len(tokens)).extend(tokens, logits_to_keep=0)
-    runner = LlamaCppRunner(target, 8)
+    runner = LlamaCppRunner(target, 7)
+    assert runner.capacity == 8
     small = runner.nbytes
     assert small > MAX_SEQUENCES * target.config.vocab_size * 4  # the logits reserve counts too
     runner.extend(tokens[:6])
-    runner.reserve(20)  # a new, larger context; the cached tokens copied into it
+    runner.reserve(19)  # a new, larger context; the cached tokens copied into it
     assert runner.capacity == 20 and runner.nbytes > small
     runner.extend(tokens[6:20])
     runner.reserve(21, most=30)
-    assert runner.capacity == 30
+    assert runner.capacity == 32  # twice as many, rounded up to whole blocks
     runner.reserve(len(tokens))
     assert torch.equal(runner.extend(tokens[20:], logits_to_keep=0), whole[20:])
     runner.keep(torch.arange(10))  # truncated: the prefix a later prompt shares
     assert torch.equal(runner.extend(tokens[10:], logits_to_keep=0), whole[10:])
+    assert llamacpp._in_blocks(1) == 4 and LlamaCppRunner(target, 1).capacity == 4
 
 
 @pytest.mark.parametrize(
