@@ -2,7 +2,8 @@
 
 Starts the server (the default pair, plus any arguments after `--`), reads its resident set, streams one
 chat request that sets no max_tokens, closes it after `--chunks` content events, and reads the server's
-high-water mark since the request was sent. Run it against an older checkout with PYTHONPATH=OLD/src to compare.
+high-water mark since the request was sent. Run it against an older checkout with PYTHONPATH=OLD/src to
+compare.
 
     python benchmarks/server_memory.py
     PYTHONPATH=/tmp/old/src python benchmarks/server_memory.py

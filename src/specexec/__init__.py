@@ -1,6 +1,7 @@
 """specexec: fast LLM generation on limited hardware through speculative decoding."""
 
 from specexec.engine import METHODS, Chunk, GenerationError, GenerationOutput, Stats, generate, stream
+from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams
 
 __all__ = [
@@ -8,6 +9,7 @@ __all__ = [
     "Chunk",
     "GenerationError",
     "GenerationOutput",
+    "PrefixCache",
     "SamplingParams",
     "Stats",
     "generate",
