@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specexec.runner import clock
+from specexec.runner import clock, grown_capacity
 
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the committed one, the rest leaves
@@ -204,7 +204,7 @@ class LlamaCppRunner:
         a larger context, the committed sequence copied into it, any tree dropped."""
         if slots <= self.capacity:
             return
-        capacity = _in_blocks(max(slots, min(2 * self.capacity, most or 2 * self.capacity)))
+        capacity = _in_blocks(grown_capacity(self.capacity, slots, most))
         llama_cpp = self.llama_cpp
         self._drop_tree()
         size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)

@@ -182,7 +182,7 @@ class ModelRunner:
         times."""
         if slots <= self.capacity:
             return
-        capacity = max(slots, min(2 * self.capacity, most if most is not None else 2 * self.capacity))
+        capacity = grown_capacity(self.capacity, slots, most)
         self.slot_positions = zero_padded(self.slot_positions, 0, capacity)
         if isinstance(self.backend, HFForward):
             self.backend.grow(capacity, self.slot_positions)
@@ -240,6 +240,13 @@ class ModelRunner:
         src, dst_start = src[first:], dst_start + first
         self.backend.gather(src, dst_start)
         self.slot_positions[dst_start : dst_start + src.numel()] = self.slot_positions[src].clone()
+
+
+def grown_capacity(capacity: int, slots: int, most: int | None) -> int:
+    """The capacity a runner grows to for `slots`: at least twice `capacity` (never past `most`), so a
+    growing sequence is copied only a few times."""
+    doubled = 2 * capacity if most is None else min(2 * capacity, most)
+    return max(slots, doubled)
 
 
 PREFILL_CHUNK = 512  # tokens per forward when catching up on many: bounds the mask, allows cancelling
