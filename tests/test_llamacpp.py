@@ -231,7 +231,7 @@ def test_a_context_grows_and_truncates_without_changing_logits(model, monkeypatc
     runner = LlamaCppRunner(target, 7)
     assert runner.capacity == 8
     small = runner.nbytes
-    assert small > MAX_SEQUENCES * target.config.vocab_size * 4  # the logits reserve counts too
+    assert small > target.config.vocab_size * 4  # the logits reserve (one row per sequence) counts too
     runner.extend(tokens[:6])
     runner.reserve(19)  # a new, larger context; the cached tokens copied into it
     assert runner.capacity == 20 and runner.nbytes > small
@@ -243,6 +243,69 @@ def test_a_context_grows_and_truncates_without_changing_logits(model, monkeypatc
     runner.keep(torch.arange(10))  # truncated: the prefix a later prompt shares
     assert torch.equal(runner.extend(tokens[10:], logits_to_keep=0), whole[10:])
     assert llamacpp._in_blocks(1) == 4 and LlamaCppRunner(target, 1).capacity == 4
+
+
+def test_a_context_holds_one_sequence_until_its_first_tree(model) -> None:
+    """llama.cpp reserves a logits row per sequence: plain decoding keeps one, and the first tree moves
+    the committed tokens into a context with every sequence, its logits unchanged."""
+    target = model("qwen2", "q8_0")
+    tokens = torch.tensor(PROMPT * 2)
+    whole = LlamaCppRunner(target, len(tokens) + 8).extend(tokens, logits_to_keep=0)
+    runner = LlamaCppRunner(target, len(tokens) + 8)
+    runner.extend(tokens[:-4])
+    assert runner.sequences == 1
+    plain = runner.nbytes
+    n = len(tokens) - 4
+    chain = runner.forward_tree(
+        tokens[-4:], torch.arange(n, n + 4), torch.arange(n, n + 4), torch.ones(4, n + 4).tril(n).bool()
+    )
+    assert runner.sequences == MAX_SEQUENCES
+    assert runner.nbytes - plain == (MAX_SEQUENCES - 1) * target.config.vocab_size * 4
+    assert torch.equal(chain, whole[-4:])  # the copied prefix gives the same bits
+
+
+def test_a_one_token_block_in_sequence_zero_leaves_nothing_behind(model) -> None:
+    """Plain decoding writes its one-token blocks into the committed sequence itself; one that is not
+    kept must leave no cell there, or the next token at that position would see it."""
+    target = model("qwen2", "q8_0")
+    n = len(PROMPT)
+
+    def fresh(tokens: list[int]) -> torch.Tensor:
+        return LlamaCppRunner(target, 32).extend(torch.tensor(tokens))
+
+    def one(runner: LlamaCppRunner, token: int) -> torch.Tensor:
+        block = torch.tensor([token])
+        return runner.forward_tree(block, torch.tensor([n]), torch.tensor([n]), torch.ones(1, n + 1).bool())
+
+    runner = LlamaCppRunner(target, 32)
+    runner.extend(torch.tensor(PROMPT))
+    assert torch.equal(one(runner, 7), fresh(PROMPT + [7]))
+    assert torch.equal(one(runner, 9), fresh(PROMPT + [9]))  # the same slot again: 7 is gone
+    assert torch.equal(runner.extend(torch.tensor([11])), fresh(PROMPT + [11]))  # dropped: 9 is gone
+    runner.keep(torch.arange(n))  # truncated: 11 is gone
+    one(runner, 13)
+    runner.keep(torch.arange(n + 1))  # committed
+    assert runner.sequences == 1 and runner.length == n + 1
+    assert torch.equal(runner.extend(torch.tensor([5])), fresh(PROMPT + [13, 5]))
+
+
+@pytest.mark.parametrize(
+    ("args", "sequences"),
+    [(dict(method="ar"), 1), (dict(method="specexec", budget=16), MAX_SEQUENCES)],
+    ids=["ar", "specexec"],
+)
+def test_plain_decoding_never_reserves_tree_sequences(model, args, sequences) -> None:
+    from specexec.prefix_cache import PrefixCache
+
+    target, draft = model("llama", "q8_0"), model("llama", "q8_0", "perturbed")
+    cache = PrefixCache(1 << 30)  # keeps the runners, to look at them afterwards
+    out = specexec.generate(target, draft, PROMPT, max_new_tokens=12, prefix_cache=cache, **args)
+    assert out.tokens == ar_reference(target)[:12]
+    (entry,) = cache._entries
+    assert entry.target.sequences == sequences
+    follow_up = PROMPT + out.tokens + [7, 8]  # the cached runner continues from its one sequence
+    reused = specexec.generate(target, draft, follow_up, max_new_tokens=8, prefix_cache=cache, **args)
+    assert reused.tokens == specexec.generate(target, draft, follow_up, max_new_tokens=8, **args).tokens
 
 
 @pytest.mark.parametrize(

@@ -253,6 +253,20 @@ def test_sample_matches_probs_row_by_row() -> None:
         assert chi2_pvalue(counts, p[row]) > P_THRESHOLD
 
 
+def test_sample_never_draws_a_zero_probability_token(monkeypatch) -> None:
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 0.0, 0.0]])  # not normalised
+    draws = sample(weights[:, None, :].expand(2, 20000, 5), torch.Generator().manual_seed(2))
+    assert set(draws[0].tolist()) == {1, 3} and set(draws[1].tolist()) == {2}
+    assert (
+        chi2_pvalue(torch.bincount(draws[0], minlength=5)[[1, 3]], torch.tensor([2 / 3, 1 / 3])) > P_THRESHOLD
+    )
+    for extreme, expected in [(0.0, [1, 2]), (1.0 - 2.0**-53, [3, 2])]:  # the smallest and largest draws
+        monkeypatch.setattr(
+            torch, "rand", lambda shape, x=extreme, **kw: torch.full(shape, x, dtype=kw["dtype"])
+        )
+        assert sample(weights, None).tolist() == expected
+
+
 def test_sample_is_deterministic_given_the_generator() -> None:
     p = torch.full((10,), 0.1)
     a = sample(p.expand(50, 10), torch.Generator().manual_seed(3))

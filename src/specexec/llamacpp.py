@@ -171,11 +171,15 @@ class LlamaCppRunner:
         self.model = model
         self.device = CPU
         self.capacity = _in_blocks(capacity)
+        # Sequence 0 only until the first block that needs a sequence of its own: llama.cpp reserves a
+        # logits row per sequence (148 MiB at 256 sequences of a 151,936-token vocabulary), wasted by
+        # plain decoding, whose one-token blocks go straight into sequence 0 (see forward_tree).
+        self.sequences = 1
         self.length = 0
         self.forward_seconds = 0.0
         self.vocab = model.config.vocab_size
         self.last_token_id = self.vocab - 1
-        self.ctx = self._new_context(self.capacity)
+        self.ctx = self._new_context(self.capacity, self.sequences)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(BATCH, 0, MAX_SEQUENCES)
         self.slots: dict[int, _Slot] = {}
@@ -194,9 +198,9 @@ class LlamaCppRunner:
     def nbytes(self) -> int:
         """Memory this context holds: its KV cells (llama.cpp allocates every cell when the context is
         made) and its logits buffer, which llama.cpp reserves for one row per sequence (n_seq_max rows of
-        float32: 148 MiB for a 151,936-token vocabulary; measured, a context's resident set is within 10%
-        of this sum)."""
-        logits = MAX_SEQUENCES * self.vocab * 4
+        float32: 148 MiB at 256 sequences of a 151,936-token vocabulary; measured, a context's resident
+        set is within 10% of this sum)."""
+        logits = self.sequences * self.vocab * 4
         return (self.capacity + BATCH) * self.model.kv_bytes_per_token + logits
 
     def reserve(self, slots: int, most: int | None = None) -> None:
@@ -204,18 +208,8 @@ class LlamaCppRunner:
         a larger context, the committed sequence copied into it, any tree dropped."""
         if slots <= self.capacity:
             return
-        capacity = _in_blocks(grown_capacity(self.capacity, slots, most))
-        llama_cpp = self.llama_cpp
         self._drop_tree()
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
-        state = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
-        ctx = self._new_context(capacity)
-        if self.length and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
-            llama_cpp.llama_free(ctx)
-            raise LlamaCppError("llama.cpp could not copy the KV cache into a larger context")
-        llama_cpp.llama_free(self.ctx)
-        self.ctx, self.memory, self.capacity = ctx, llama_cpp.llama_get_memory(ctx), capacity
+        self._rebuild(_in_blocks(grown_capacity(self.capacity, slots, most)), self.sequences)
 
     def extend(self, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
         """Append `tokens` (n,) to the committed sequence (dropping any tree); logits (m, V) of the kept
@@ -278,6 +272,13 @@ class LlamaCppRunner:
                 )
             parents.append(parent)
             depths.append(depth)
+        if self.sequences == 1 and n == 1 and parents[0] is None and not self.slots:
+            # One token on the committed prefix (plain decoding): written into sequence 0 itself;
+            # `keep` commits it, `_drop_tree` or `_release` removes it.
+            return self._decode_into(slot_list, position_list, [[0]], depths, parents, tokens, logits_to_keep)
+        if self.sequences < MAX_SEQUENCES:
+            # Every cell, and any slot, is sequence 0's, which the copy keeps.
+            self._rebuild(self.capacity, MAX_SEQUENCES)
         # A fresh sequence per leaf of the block; each row carries the sequences of the leaves below it.
         has_child = {batch_row[p] for p in parents if p in batch_row}
         leaves = [i for i in range(n) if i not in has_child]
@@ -302,11 +303,7 @@ class LlamaCppRunner:
             anchor = 0 if parent is None else self.slots[parent].sequence
             for sequence in rows[i]:
                 seq_cp(self.memory, anchor, sequence, -1, position_list[i])
-        logits = self._decode(tokens.tolist(), position_list, rows, _kept_rows(logits_to_keep, n))
-        for i, slot in enumerate(slot_list):
-            self.slots[slot] = _Slot(position_list[i], rows[i][0], depths[i], parents[i])
-            self.users[rows[i][0]] += 1
-        return logits
+        return self._decode_into(slot_list, position_list, rows, depths, parents, tokens, logits_to_keep)
 
     def keep(self, slots: torch.Tensor) -> None:
         """Make the committed sequence exactly `slots`: a prefix of the committed slots, then (if the
@@ -324,11 +321,12 @@ class LlamaCppRunner:
             path = self._path(tail[-1]) if last is not None else []
             if path != tail:
                 raise LlamaCppError("llama.cpp backend: kept tree slots must be one root-to-node path")
-            llama_cpp.llama_memory_seq_cp(memory, last.sequence, 0, k, k + len(tail))
+            if last.sequence:
+                llama_cpp.llama_memory_seq_cp(memory, last.sequence, 0, k, k + len(tail))
         elif k < self.length:
             llama_cpp.llama_memory_seq_rm(memory, 0, k, -1)
-        self._drop_tree()
         self.length = k + len(tail)
+        self._drop_tree()
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:
         """Renumber tree slots: slot src[j] becomes dst_start + j; every other slot at or above
@@ -350,13 +348,40 @@ class LlamaCppRunner:
 
     # Internals.
 
-    def _new_context(self, capacity: int):
+    def _decode_into(self, slot_list, position_list, rows, depths, parents, tokens, logits_to_keep):
+        """Decode a block whose sequences are assigned (`rows`) and record its slots."""
+        kept = _kept_rows(logits_to_keep, len(slot_list))
+        logits = self._decode(tokens.tolist(), position_list, rows, kept)
+        for i, slot in enumerate(slot_list):
+            self.slots[slot] = _Slot(position_list[i], rows[i][0], depths[i], parents[i])
+            self.users[rows[i][0]] += 1
+        return logits
+
+    def _rebuild(self, capacity: int, sequences: int) -> None:
+        """Move to a new context of `capacity` slots and `sequences` sequences, with sequence 0's cells
+        copied into it (the other sequences must be empty)."""
+        llama_cpp = self.llama_cpp
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+        state = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
+        ctx = self._new_context(capacity, sequences)
+        cells = self.length + sum(not info.sequence for info in self.slots.values())
+        if cells and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
+            llama_cpp.llama_free(ctx)
+            raise LlamaCppError("llama.cpp could not copy the KV cache into a new context")
+        llama_cpp.llama_free(self.ctx)
+        self.ctx, self.memory = ctx, llama_cpp.llama_get_memory(ctx)
+        self.capacity, self.sequences = capacity, sequences
+        self._reset_sequences()
+        self.users[0] = sum(not info.sequence for info in self.slots.values())
+
+    def _new_context(self, capacity: int, sequences: int):
         llama_cpp = self.llama_cpp
         params = llama_cpp.llama_context_default_params()
         # Cells: the committed tokens plus every tree node of a step (pruned ones are freed at once).
         params.n_ctx = capacity + BATCH
         params.n_batch = params.n_ubatch = BATCH
-        params.n_seq_max = MAX_SEQUENCES
+        params.n_seq_max = sequences
         params.kv_unified = True  # one cell may belong to many sequences: required for trees
         params.n_threads = params.n_threads_batch = self.model.threads
         params.no_perf = True
@@ -428,9 +453,13 @@ class LlamaCppRunner:
 
     def _release(self, slot: int) -> None:
         info = self.slots.pop(slot, None)
-        if info is not None:
-            self.users[info.sequence] -= 1
+        if info is None:
+            return
+        self.users[info.sequence] -= 1
+        if info.sequence:
             self._free_if_unused(info.sequence)
+        else:  # a token decoded into sequence 0 and not committed
+            self.llama_cpp.llama_memory_seq_rm(self.memory, 0, info.position, info.position + 1)
 
     def _free_if_unused(self, sequence: int) -> None:
         if sequence and not self.users[sequence] and sequence not in self.free_sequences:
@@ -439,14 +468,15 @@ class LlamaCppRunner:
 
     def _drop_tree(self) -> None:
         """Forget every tree slot: only sequence 0's cells stay."""
-        if self.slots or len(self.free_sequences) < MAX_SEQUENCES - 1:
+        if self.slots or len(self.free_sequences) < self.sequences - 1:
             self.llama_cpp.llama_memory_seq_keep(self.memory, 0)
+            self.llama_cpp.llama_memory_seq_rm(self.memory, 0, self.length, -1)  # uncommitted tokens
             self.slots.clear()
             self._reset_sequences()
 
     def _reset_sequences(self) -> None:
-        self.free_sequences = list(range(MAX_SEQUENCES - 1, 0, -1))  # pop() hands out 1 first
-        self.users = [0] * MAX_SEQUENCES  # slots whose `sequence` is this id
+        self.free_sequences = list(range(self.sequences - 1, 0, -1))  # pop() hands out 1 first
+        self.users = [0] * self.sequences  # slots whose `sequence` is this id
 
 
 def _in_blocks(cells: int) -> int:

