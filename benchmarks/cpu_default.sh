@@ -26,3 +26,12 @@ for backend in llamacpp torch; do
   specexec bench --backend "$backend" --threads 2 --prompts humaneval --n-prompts 4 --max-new-tokens 64 \
     --methods specexec --budgets 64 --warmup-tokens 0 --no-progress --out "$out/budget64-$backend"
 done
+# The pair requantized to IQ4_NL, the weight type with the flattest batched forward here (gguf-costs.md):
+# speculation against plain llama.cpp on that same target GGUF.
+target=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-1.5b --types IQ4_NL --paths)
+draft=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-0.5b --types IQ4_NL --paths)
+specexec calibrate --target "$target" --draft "$draft" --backend llamacpp --threads 2
+specexec bench --target "$target" --draft "$draft" --backend llamacpp --threads 2 --prompts humaneval \
+  --n-prompts 4 --max-new-tokens 64 --methods ar,llamacpp,llamacpp-spec,sd,dsl,specexec \
+  --llamacpp-spec-budgets 3 --sd-budgets 2,3 --dsl-budgets auto --budgets 4,8,16,auto --warmup-tokens 8 \
+  --repeats 2 --no-progress --out "$out/iq4nl-humaneval"

@@ -9,6 +9,7 @@ llama.cpp runner: a 256-token context, one token in steady state (the cost of pl
 blocks of n tokens (the cost of verifying n), each the fastest of three.
 
     python benchmarks/gguf_costs.py --types Q4_K_M,Q4_0,IQ4_NL,Q8_0 --threads 2
+    python benchmarks/gguf_costs.py --model qwen2.5-coder-0.5b --types IQ4_NL --paths  # just the file
 """
 
 from __future__ import annotations
@@ -77,8 +78,13 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="a packaged name or a .gguf file")
     parser.add_argument("--types", default="Q4_K_M,Q4_0,IQ4_NL,Q8_0", help="llama.cpp weight types")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--paths", action="store_true", help="only write the files and print their paths")
     args = parser.parse_args()
     source = gguf_file(args.model)
+    if args.paths:
+        for kind in args.types.split(","):
+            print(source if kind.upper() == "Q4_K_M" else quantized(source, kind, args.threads))
+        return
     print(f"{platform.processor() or platform.machine()}, {args.threads} threads, context {CONTEXT}")
     print("| weights | MB | " + " | ".join(f"t({n})" for n in (1, *SIZES)) + " | t(16)/t(1) |")
     print("|---|---:|" + "---:|" * (len(SIZES) + 2))
