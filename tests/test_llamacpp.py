@@ -294,15 +294,24 @@ def test_a_one_token_block_in_sequence_zero_leaves_nothing_behind(model) -> None
     [(dict(method="ar"), 1), (dict(method="specexec", budget=16), MAX_SEQUENCES)],
     ids=["ar", "specexec"],
 )
-def test_plain_decoding_never_reserves_tree_sequences(model, args, sequences) -> None:
+def test_plain_decoding_never_reserves_tree_sequences(model, monkeypatch, args, sequences) -> None:
+    """ar keeps one sequence; a drafting generation makes its contexts with every sequence at once,
+    rather than moving to them (a new context, about 0.1 s each) inside its first step."""
+    from specexec import llamacpp
     from specexec.prefix_cache import PrefixCache
 
+    moves = []
+    rebuild = llamacpp.LlamaCppRunner._rebuild
+    monkeypatch.setattr(
+        llamacpp.LlamaCppRunner, "_rebuild", lambda self, *a: moves.append(a) or rebuild(self, *a)
+    )
     target, draft = model("llama", "q8_0"), model("llama", "q8_0", "perturbed")
     cache = PrefixCache(1 << 30)  # keeps the runners, to look at them afterwards
     out = specexec.generate(target, draft, PROMPT, max_new_tokens=12, prefix_cache=cache, **args)
     assert out.tokens == ar_reference(target)[:12]
     (entry,) = cache._entries
     assert entry.target.sequences == sequences
+    assert moves == []
     follow_up = PROMPT + out.tokens + [7, 8]  # the cached runner continues from its one sequence
     reused = specexec.generate(target, draft, follow_up, max_new_tokens=8, prefix_cache=cache, **args)
     assert reused.tokens == specexec.generate(target, draft, follow_up, max_new_tokens=8, **args).tokens

@@ -236,6 +236,7 @@ def stream(
     stats = Stats(method=method, prompt_tokens=prompt.numel())
     prompt_list = prompt.tolist()
     pair_draft = draft if method != "ar" else None
+    drafting = pair_draft is not None and drafter.may_draft()
     reused = prefix_cache.take(target, pair_draft, prompt_list) if prefix_cache else None
     if reused is not None:
         target_runner, draft_runner = reused.target, reused.draft
@@ -246,7 +247,7 @@ def stream(
                 shared = min(stats.cached_tokens, runner.length)
                 runner.keep(torch.arange(shared, device=prompt.device))
     else:
-        target_runner, draft_runner = make_runner(target, needed), None
+        target_runner, draft_runner = make_runner(target, needed, trees=drafting), None
     text = TextStream(tokenizer, stop_strings) if stop_strings else None
 
     committed = prompt
@@ -256,7 +257,6 @@ def stream(
         # model gets a runner (and a prefill) only once the drafter expects to draft: an auto budget
         # may find that drafting cannot pay on this machine, and then the draft costs nothing.
         start = clock(prompt.device)
-        drafting = pair_draft is not None and drafter.may_draft()
         if drafting and draft_runner is None:
             draft_runner = make_runner(pair_draft, needed)
         for runner in [target_runner, draft_runner] if drafting else [target_runner]:

@@ -166,15 +166,15 @@ class LlamaCppRunner:
     """Drives one `LlamaCppModel` over its own llama.cpp context: `extend`, `forward_tree`, `keep`,
     `move`, with the slot semantics of `specexec.runner.ModelRunner`."""
 
-    def __init__(self, model: LlamaCppModel, capacity: int) -> None:
+    def __init__(self, model: LlamaCppModel, capacity: int, trees: bool = False) -> None:
         self.llama_cpp = llama_cpp = _llama_cpp()
         self.model = model
         self.device = CPU
         self.capacity = _in_blocks(capacity)
-        # Sequence 0 only until the first block that needs a sequence of its own: llama.cpp reserves a
-        # logits row per sequence (148 MiB at 256 sequences of a 151,936-token vocabulary), wasted by
-        # plain decoding, whose one-token blocks go straight into sequence 0 (see forward_tree).
-        self.sequences = 1
+        # Unless trees are expected, sequence 0 only until the first block that needs a sequence of its
+        # own: llama.cpp reserves a logits row per sequence (148 MiB at 256 sequences of a 151,936-token
+        # vocabulary), wasted by plain decoding, whose one-token blocks go straight into sequence 0.
+        self.sequences = MAX_SEQUENCES if trees else 1
         self.length = 0
         self.forward_seconds = 0.0
         self.vocab = model.config.vocab_size

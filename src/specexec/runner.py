@@ -262,13 +262,14 @@ def prefill(runner, tokens: torch.Tensor, cancelled: Callable[[], bool] | None =
     return True
 
 
-def make_runner(model, capacity: int):
+def make_runner(model, capacity: int, trees: bool = True):
     """The runner for `model`'s backend: `LlamaCppRunner` for a llama.cpp model, else `ModelRunner`;
-    `capacity` slots to start with (`reserve` adds more)."""
+    `capacity` slots to start with (`reserve` adds more). `trees`: whether trees are expected (a llama.cpp
+    context is then made with every sequence at once, rather than moved to them at the first tree)."""
     if getattr(model, "backend", "torch") == "llamacpp":
         from specexec.llamacpp import LlamaCppRunner
 
-        return LlamaCppRunner(model, capacity)
+        return LlamaCppRunner(model, capacity, trees=trees)
     return ModelRunner(model, capacity)
 
 

@@ -375,7 +375,9 @@ class GenerationQueue:
         try:
             for model in (self.target, self.draft):
                 if model is not None:
-                    make_runner(model, 1).extend(torch.zeros(1, dtype=torch.long, device=model.device))
+                    make_runner(model, 1, trees=False).extend(
+                        torch.zeros(1, dtype=torch.long, device=model.device)
+                    )
         except Exception as err:  # reported by /health, not raised: the worker goes on
             log.exception("health probe failed")
             update = Update(error=err)
