@@ -251,7 +251,8 @@ def test_a_context_holds_one_sequence_until_its_first_tree(model) -> None:
     target = model("qwen2", "q8_0")
     tokens = torch.tensor(PROMPT * 2)
     whole = LlamaCppRunner(target, len(tokens) + 8).extend(tokens, logits_to_keep=0)
-    runner = LlamaCppRunner(target, len(tokens) + 8)
+    assert LlamaCppRunner(target, len(tokens) + 8).sequences == MAX_SEQUENCES  # trees by default
+    runner = LlamaCppRunner(target, len(tokens) + 8, trees=False)
     runner.extend(tokens[:-4])
     assert runner.sequences == 1
     plain = runner.nbytes
@@ -277,7 +278,7 @@ def test_a_one_token_block_in_sequence_zero_leaves_nothing_behind(model) -> None
         block = torch.tensor([token])
         return runner.forward_tree(block, torch.tensor([n]), torch.tensor([n]), torch.ones(1, n + 1).bool())
 
-    runner = LlamaCppRunner(target, 32)
+    runner = LlamaCppRunner(target, 32, trees=False)
     runner.extend(torch.tensor(PROMPT))
     assert torch.equal(one(runner, 7), fresh(PROMPT + [7]))
     assert torch.equal(one(runner, 9), fresh(PROMPT + [9]))  # the same slot again: 7 is gone

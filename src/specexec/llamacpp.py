@@ -5,7 +5,9 @@ llama.cpp addresses its KV cache by sequence ids and positions, not by slots. A 
 visible to a new token when the cell belongs to the new token's first sequence id and its position is
 not later (llama-kv-cache.cpp, `set_input_kq_mask`). So a tree is verified in one `llama_decode`:
 
-- the committed sequence is sequence 0;
+- the committed sequence is sequence 0; a context holds no other sequence until it needs one (llama.cpp
+  reserves a row of logits per sequence), and meanwhile a one-token block on the committed prefix
+  (plain decoding) is written into sequence 0 itself;
 - every leaf of the block being decoded gets a fresh sequence id, and every token of the block carries
   the ids of the leaves below it; the cached path above the block joins those sequences by `seq_cp`
   (restricted to positions before the block), so each token sees exactly the prefix, its ancestors and
@@ -166,13 +168,13 @@ class LlamaCppRunner:
     """Drives one `LlamaCppModel` over its own llama.cpp context: `extend`, `forward_tree`, `keep`,
     `move`, with the slot semantics of `specexec.runner.ModelRunner`."""
 
-    def __init__(self, model: LlamaCppModel, capacity: int, trees: bool = False) -> None:
+    def __init__(self, model: LlamaCppModel, capacity: int, trees: bool = True) -> None:
         self.llama_cpp = llama_cpp = _llama_cpp()
         self.model = model
         self.device = CPU
         self.capacity = _in_blocks(capacity)
-        # Unless trees are expected, sequence 0 only until the first block that needs a sequence of its
-        # own: llama.cpp reserves a logits row per sequence (148 MiB at 256 sequences of a 151,936-token
+        # Without trees, sequence 0 only until the first block that needs a sequence of its own:
+        # llama.cpp reserves a logits row per sequence (148 MiB at 256 sequences of a 151,936-token
         # vocabulary), wasted by plain decoding, whose one-token blocks go straight into sequence 0.
         self.sequences = MAX_SEQUENCES if trees else 1
         self.length = 0
@@ -353,8 +355,9 @@ class LlamaCppRunner:
         kept = _kept_rows(logits_to_keep, len(slot_list))
         logits = self._decode(tokens.tolist(), position_list, rows, kept)
         for i, slot in enumerate(slot_list):
-            self.slots[slot] = _Slot(position_list[i], rows[i][0], depths[i], parents[i])
-            self.users[rows[i][0]] += 1
+            sequence = rows[i][0]
+            self.slots[slot] = _Slot(position_list[i], sequence, depths[i], parents[i])
+            self.users[sequence] += sequence > 0  # sequence 0 is never freed: not counted
         return logits
 
     def _rebuild(self, capacity: int, sequences: int) -> None:
@@ -365,15 +368,13 @@ class LlamaCppRunner:
         state = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
         ctx = self._new_context(capacity, sequences)
-        cells = self.length + sum(not info.sequence for info in self.slots.values())
-        if cells and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
+        if (self.length or self.slots) and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
             llama_cpp.llama_free(ctx)
             raise LlamaCppError("llama.cpp could not copy the KV cache into a new context")
         llama_cpp.llama_free(self.ctx)
         self.ctx, self.memory = ctx, llama_cpp.llama_get_memory(ctx)
         self.capacity, self.sequences = capacity, sequences
         self._reset_sequences()
-        self.users[0] = sum(not info.sequence for info in self.slots.values())
 
     def _new_context(self, capacity: int, sequences: int):
         llama_cpp = self.llama_cpp
@@ -455,14 +456,12 @@ class LlamaCppRunner:
         info = self.slots.pop(slot, None)
         if info is None:
             return
-        self.users[info.sequence] -= 1
-        if info.sequence:
-            self._free_if_unused(info.sequence)
-        else:  # a token decoded into sequence 0 and not committed
+        sequence = info.sequence
+        if not sequence:  # a token decoded into sequence 0 and not committed
             self.llama_cpp.llama_memory_seq_rm(self.memory, 0, info.position, info.position + 1)
-
-    def _free_if_unused(self, sequence: int) -> None:
-        if sequence and not self.users[sequence] and sequence not in self.free_sequences:
+            return
+        self.users[sequence] -= 1
+        if not self.users[sequence] and sequence not in self.free_sequences:
             self.llama_cpp.llama_memory_seq_rm(self.memory, sequence, -1, -1)
             self.free_sequences.append(sequence)
 

@@ -264,8 +264,8 @@ def prefill(runner, tokens: torch.Tensor, cancelled: Callable[[], bool] | None =
 
 def make_runner(model, capacity: int, trees: bool = True):
     """The runner for `model`'s backend: `LlamaCppRunner` for a llama.cpp model, else `ModelRunner`;
-    `capacity` slots to start with (`reserve` adds more). `trees`: whether trees are expected (a llama.cpp
-    context is then made with every sequence at once, rather than moved to them at the first tree)."""
+    `capacity` slots to start with (`reserve` adds more). `trees=False` for plain decoding: a llama.cpp
+    context then starts with one sequence, and moves to all of them only at a first tree."""
     if getattr(model, "backend", "torch") == "llamacpp":
         from specexec.llamacpp import LlamaCppRunner
 
