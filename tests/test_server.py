@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +27,7 @@ from server_helpers import CONTEXT_WINDOW, SlowModel, byte_tokenizer, live_serve
 
 import specexec
 from specexec.server import add_serve_arguments, create_app
+from specexec.server.app import STALL_SECONDS
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
@@ -1118,6 +1120,63 @@ def test_an_engine_failure_is_a_500_and_the_server_goes_on(tok):
         assert_healthy(live.url)
         assert http.post(C, json=OK_COMPLETION).status_code == 200
         assert app.state.engine.history[0].finish_reason == "error"
+
+
+def test_health_probes_while_the_worker_records_a_finished_job(pair, tok, monkeypatch):
+    """The worker records a job just after its last update. /health in that window must probe the
+    engine, not take the answered job for a generation in progress (CI's race, made certain here)."""
+    target, _ = pair
+    forwards: list[int] = []
+    hook = target.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
+    app = make_app(pair, tok, health_interval=0.0)
+    engine = app.state.engine
+    record = engine._record
+
+    def slow_record(*args) -> None:
+        time.sleep(1.0)
+        record(*args)
+
+    monkeypatch.setattr(engine, "_record", slow_record)
+    try:
+        with live_server(app) as live:
+            assert PLAIN.post(live.url + C, json=OK_COMPLETION).status_code == 200
+            assert engine.busy  # still recording
+            before = len(forwards)
+            health = PLAIN.get(live.url + "/health").json()
+            assert health["status"] == "ok" and len(forwards) == before + 1  # a probe ran
+    finally:
+        hook.remove()
+
+
+def test_a_stall_counts_from_the_generations_start_not_the_last_forward(tok):
+    """A server idle for longer than the stall limit starts a generation whose first forward is slow:
+    /health says ok; only a generation without progress for the limit is a 503."""
+    target, draft = tiny_pair(len(tok), eos_id=256, seed=5)
+    release = threading.Event()
+
+    def hold(*_) -> None:  # every target forward waits for the test
+        release.wait(30)
+
+    hook = target.register_forward_pre_hook(hold)
+    app = create_app(target, draft, tok, budget=4, model_name=MODEL, eos_token_id=EOS, health_interval=0.0)
+    engine = app.state.engine
+    try:
+        with live_server(app) as live, ThreadPoolExecutor(1) as pool:
+            engine.last_forward = time.perf_counter() - 2 * STALL_SECONDS  # idle since long ago
+            answer = pool.submit(PLAIN.post, live.url + C, json=OK_COMPLETION)
+            deadline = time.monotonic() + 10
+            while engine.seconds_without_progress() is None:
+                assert time.monotonic() < deadline, "the generation never started"
+                time.sleep(0.01)
+            assert PLAIN.get(live.url + "/health").status_code == 200
+            engine._running.started_at -= 2 * STALL_SECONDS  # the same generation, stuck that long
+            health = PLAIN.get(live.url + "/health")
+            assert health.status_code == 503 and "no forward pass" in health.json()["error"]
+            release.set()
+            assert answer.result(timeout=30).status_code == 200
+    finally:
+        release.set()
+        hook.remove()
 
 
 @pytest.mark.parametrize(

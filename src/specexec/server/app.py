@@ -428,8 +428,9 @@ def create_app(
         if not engine.ensure_running():
             problem = "the server is shutting down"
         elif time.perf_counter() - engine.last_forward > health_interval:
-            if engine.busy:
-                if time.perf_counter() - engine.last_forward > STALL_SECONDS:
+            stalled = engine.seconds_without_progress()
+            if stalled is not None:
+                if stalled > STALL_SECONDS:
                     problem = f"no forward pass in the last {STALL_SECONDS:g} s of a generation"
             else:
                 probe = asyncio.ensure_future(engine.probe(asyncio.get_running_loop()).next())

@@ -118,6 +118,8 @@ class Job:
 
     def _push(self, update: Update) -> None:
         """Called from the worker thread."""
+        if update.finish_reason is not None or update.error is not None:
+            self._done = True  # before the update: whoever reads it may look at the engine at once
         try:
             self._loop.call_soon_threadsafe(self._updates.put_nowait, update)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening any more
@@ -234,6 +236,16 @@ class GenerationQueue:
     @property
     def busy(self) -> bool:
         return self._running is not None
+
+    def seconds_without_progress(self) -> float | None:
+        """Seconds since the running generation started or last ran a forward; None when none runs, or
+        the running one has sent its last update (the worker is only recording it)."""
+        with self._cond:
+            job = self._running
+        if job is None or job.params is None or job._done:
+            return None
+        since = max(self.last_forward, job.started_at or time.perf_counter())
+        return time.perf_counter() - since
 
     def admit(self) -> Admission:
         """Hold a place for a request, or raise QueueFull when `max_queue` requests already wait (admitted
@@ -385,7 +397,6 @@ class GenerationQueue:
             self.last_forward = time.perf_counter()
             self.probe_seconds = self.last_forward - start
             update = Update(finish_reason="stop")
-        job._done = True  # before the update: whoever reads it may ask for the next probe at once
         job._push(update)
 
     def _stats(self, stats: Stats, job: Job) -> dict:
