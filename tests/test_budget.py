@@ -249,7 +249,8 @@ def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) 
 def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatch) -> None:
     """The machine slows down steadily while calibrating: every forward costs its size times a factor that
     grows with each forward. Sizes measured one after another would come out in the wrong proportions
-    (the last sizes timed at the slowest); taking turns keeps them."""
+    (the last sizes timed at the slowest); timing each against the one-token forward just before it keeps
+    them (taking turns alone left a 12% bend)."""
     from specexec import budget
 
     now = [0.0]
@@ -273,7 +274,7 @@ def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatc
     cost = budget.calibrate(target, draft, progress=False)
     for curve in (cost.target, cost.draft):
         per_token = [seconds / n for n, seconds in curve.items()]
-        assert max(per_token) < 1.5 * min(per_token), curve
+        assert max(per_token) < 1.05 * min(per_token), curve
 
 
 def test_calibration_does_not_time_sizes_that_cannot_pay(models, monkeypatch) -> None:
@@ -349,13 +350,44 @@ def test_auto_is_the_default_budget_of_specexec_and_dsl(models) -> None:
         assert default.stats.tree_sizes == explicit.stats.tree_sizes, method  # the same cost-sized steps
 
 
-def test_calibration_curves_are_made_non_decreasing() -> None:
-    from specexec.budget import non_decreasing
+def test_calibration_keeps_a_batch_that_costs_less_than_a_smaller_one(models, monkeypatch) -> None:
+    """llama.cpp's repacked kernels run rows in groups: 4 tokens can cost less than 3 (IQ4_NL on AVX-512:
+    1.56x against 2.1x of one). The machine meanwhile switches between two speeds, 1.8x apart, every 20
+    forwards. The calibration must keep both the dip and the proportions, and the policies must then
+    verify 4 tokens rather than 3."""
+    from specexec import budget
 
-    assert non_decreasing({1: 0.137, 2: 0.131, 4: 0.115, 8: 0.094, 16: 0.2}) == pytest.approx(
-        {1: 0.11925, 2: 0.11925, 4: 0.11925, 8: 0.11925, 16: 0.2}
-    )
-    assert non_decreasing({1: 1.0, 2: 2.0, 3: 3.0}) == {1: 1.0, 2: 2.0, 3: 3.0}
+    shape = {1: 1.0, 2: 1.55, 3: 2.1, 4: 1.56, 6: 2.7, 8: 3.0, 16: 4.1}
+    now, forwards = [0.0], [0]
+
+    class GroupedRunner:
+        def __init__(self, model, capacity) -> None:
+            self.device = torch.device("cpu")
+
+        def extend(self, tokens, logits_to_keep=1) -> None:
+            forwards[0] += 1
+            speed = 1.8 if (forwards[0] // 20) % 2 else 1.0
+            n = tokens.numel()
+            now[0] += 0.1 * speed * (shape[n] if n in shape else 1.5 * n)
+
+        def keep(self, slots) -> None:
+            pass
+
+    monkeypatch.setattr(budget, "make_runner", GroupedRunner)
+    monkeypatch.setattr(budget, "clock", lambda device: now[0])
+    target, draft, _ = models
+    cost = budget.calibrate(target, draft, progress=False)
+    for curve in (cost.target, cost.draft):
+        ratios = {n: curve[n] / curve[1] for n in shape if n in curve}
+        assert ratios == pytest.approx({n: shape[n] for n in ratios}, rel=0.02), ratios
+    assert cost.target_seconds(4) < cost.target_seconds(3)
+    assert cost.target_seconds(64) > cost.target_seconds(32) > cost.target_seconds(16)
+    # A chain of sure draft tokens does not stop at 2 (3 tokens verified) when 3 verify for less.
+    stop = ChainCostStop(cost)
+    assert chain_length(stop, 0.95, limit=3) == 3
+    # A tree of 2 sure nodes and a third as likely is verified whole (4 tokens), not cut at 3.
+    policy = AutoBudget(cost)
+    assert policy.best_size(torch.tensor([0.9, 0.8, 0.7]), draft_seconds=0.0)[0] == 3
 
 
 def test_speculation_gate_pauses_drafting_that_loses_and_backs_off() -> None:
@@ -414,3 +446,20 @@ def test_auto_methods_skip_the_draft_pass_where_no_chain_can_pay(models, referen
         assert auto_generate(models, "specexec", FLAT).stats.draft_calls > 0 and draft_forwards
     finally:
         hook.remove()
+
+
+def test_a_tree_padded_to_a_cheaper_batch_still_grows_deeper() -> None:
+    """IQ4_NL's measured costs (4 tokens verify for less than 2 or 3, 5 for much more): after the first
+    draft pass the best tree is the root's three children, the unlikely two only padding the batch to 4.
+    Expanding the likely child pays, because its child can replace a padding sibling; judging growth as
+    "the current tree plus new nodes" (5 tokens) stopped every step at depth 1 (2.00 tokens per call)."""
+    cost = CostModel(
+        {1: 0.083, 2: 0.128, 3: 0.174, 4: 0.115, 6: 0.222, 8: 0.245, 16: 0.315},
+        {1: 0.036, 2: 0.052, 3: 0.066, 4: 0.059, 8: 0.101},
+    )
+    policy = AutoBudget(cost)
+    children = torch.tensor([0.9, 0.03, 0.02])
+    assert policy.best_size(children, 0.036)[0] == 3
+    assert policy.frontier_size(children, children, 0.036, child_accept=0.9) == 1
+    # The control: an unlikely draft child is not worth a pass.
+    assert policy.frontier_size(children, children, 0.036, child_accept=0.02) == 0

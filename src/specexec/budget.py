@@ -89,7 +89,9 @@ def best_threshold(samples: list[tuple[float, bool]], min_samples: int, current:
 class CostModel:
     """Measured forward times: the target against tokens verified, the draft against nodes expanded.
 
-    Linear interpolation between measured sizes, and linear extrapolation past the last two.
+    Linear interpolation between measured sizes, and linear extrapolation past the last two (in
+    proportion to size where the last two fall: a batch can cost less than a smaller one in llama.cpp,
+    but no size past the last one timed is assumed to).
     """
 
     def __init__(self, target: dict[int, float], draft: dict[int, float], label: str = "") -> None:
@@ -119,6 +121,8 @@ def _interpolate(points: dict[int, float], x: int) -> float:
     i = next((i for i, v in enumerate(xs) if v >= x), len(xs) - 1)
     i = min(max(i, 1), len(xs) - 1)
     (x0, y0), (x1, y1) = (xs[i - 1], points[xs[i - 1]]), (xs[i], points[xs[i]])
+    if x > x1 and y1 <= y0:  # past a dip at the last size: grow in proportion, never shrink
+        return y1 * x / x1
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
@@ -281,16 +285,29 @@ class AutoBudget:
         """How many of the `frontier` nodes (their P, best first; each one's best child accepted with
         probability about `child_accept` after it) the next draft pass should expand to raise the value
         of the best tree from the `ranked` node P most; 0 when no count raises it. The draft's cost per
-        pass decides between narrow and wide passes."""
-        size, value = self.best_size(ranked, draft_seconds)
-        gain = 1 + float(ranked[:size].sum())
-        counts = torch.arange(1, len(frontier) + 1)  # (F,)
-        extra = frontier.cumsum(0) * child_accept  # (F,)
-        grown = (size + counts).clamp(max=self.max_budget)
-        seconds = draft_seconds + self.draft_table[counts - 1] + self.target_table[grown]  # (F,)
-        values = gain + extra - self.gate.rate * seconds  # (F,)
-        best = int(values.argmax())
-        return best + 1 if float(values[best]) > value else 0
+        pass decides between narrow and wide passes.
+
+        Each count is judged by the best tree it makes possible, which may leave out nodes the best tree
+        now has: where a larger batch costs less (llama.cpp's grouped kernels: 4 tokens below 3), the best
+        tree is padded with unlikely siblings that a deeper node should replace, not join.
+        """
+        _, value = self.best_size(ranked, draft_seconds)
+        count = len(frontier)
+        children = frontier * child_accept  # (F,) each expanded node's best child, best first
+        # Row c - 1: the current nodes and the children of the first c frontier nodes (-1: not drafted).
+        grown = torch.where(
+            torch.arange(count) < torch.arange(1, count + 1)[:, None], children, -1.0
+        )  # (F, F)
+        nodes = torch.cat([ranked.expand(count, -1), grown], dim=1)  # (F, n + F)
+        nodes = nodes.sort(dim=1, descending=True).values[:, : self.max_budget]
+        gains = torch.cat([torch.ones(count, 1), 1 + nodes.clamp(min=0).cumsum(1)], dim=1)  # (F, b + 1)
+        sizes = gains.shape[1]
+        seconds = draft_seconds + self.draft_table[:count, None] + self.target_table[None, :sizes]
+        values = gains - self.gate.rate * seconds  # (F, b + 1)
+        drafted = torch.arange(sizes) <= len(ranked) + torch.arange(1, count + 1)[:, None]
+        best = values.masked_fill(~drafted, float("-inf")).amax(dim=1)  # (F,)
+        c = int(best.argmax())
+        return c + 1 if float(best[c]) > value else 0
 
     def observe(self, tree: DraftTree, path: Sequence[int], drafted: int) -> None:
         """Label the verified draft nodes (among the first `drafted`): every child of the root and of an
@@ -372,6 +389,8 @@ DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 # to emit more tokens; published SpecExec trees reach about 20): larger sizes are not timed, and the
 # cost model extrapolates past the last one timed.
 REPAY_LIMIT = 20
+# Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
+CALIBRATION_FORMAT = "paired-ratios"
 CHAIN_CHECK = 32  # the longest chain `AutoBudget.worth_drafting` considers
 # What a drafted step costs beyond its forwards, as a share of them: the engine's own work per step and,
 # in llama.cpp, a compute graph rebuilt for every new batch shape (measured on 2 cores with the real
@@ -387,15 +406,22 @@ def calibrate(
     label: str = "",
     progress: bool = True,
 ) -> CostModel:
-    """Time a forward of n new tokens after a `context`-token prefix, per size: the median of `repeats`
-    runs (2 from 256 tokens up, where a run is long and steady), then the closest non-decreasing curve,
-    since a larger forward never costs less and timing noise must not make the policies think so.
+    """Time a forward of n new tokens after a `context`-token prefix, per size and model.
+
+    Each sample of size n is taken right after a one-token forward of the same model and kept as the
+    ratio of the two: this machine's speed drifts (other tenants, clocks), often by tens of percent
+    within a minute, and a drift must move the whole curve, not the ratios the policies weigh sizes by.
+    A size's cost is then the median of its `repeats` ratios (2 from 256 tokens up, where a run is long
+    and steady) times the model's one-token cost, the median of all its one-token samples.
+
+    The curve is not forced to be monotone: llama.cpp's repacked kernels work on groups of rows, so a
+    batch can cost less than a smaller one (IQ4_NL on AVX-512: 4 tokens 1.56x of one, 3 tokens 2.1x),
+    and the policies, which maximise value over sizes, then verify 4 tokens rather than 3.
 
     A warm-up round goes through each model's sizes in ascending order and stops a model's sizes at the
     first one costing more than REPAY_LIMIT one-token target passes: on a CPU the sizes that cannot pay
-    are also the slow ones to time. Then the sizes take turns (one run of every size, then the next
-    round): the policies weigh sizes against each other, so a drift in machine speed during the
-    calibration must move the whole curve, not bend it.
+    are also the slow ones to time. Then the sizes take turns (one sample of every size, then the next
+    round).
     """
     models = {"target": target, "draft": draft}
     runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
@@ -404,19 +430,20 @@ def calibrate(
 
     def time_forward(name: str, n: int) -> float:
         runner = runners[name]
-        # One token is timed in steady state, right after another one-token forward: plain decoding and
-        # chain drafting repeat that shape, which llama.cpp runs faster (it reuses its compute graph: 71
-        # against 91 ms for the 1.5B target on 2 cores). It is plain decoding's cost, which speculation
-        # must beat, so it takes the faster of two runs: a slow moment of the machine must not make
-        # speculation look better than it is. Other sizes are timed after another size, as trees vary.
-        times = []
-        for _ in range(3 if n == 1 else 1):
-            runner.keep(torch.arange(context, device=runner.device))
-            tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
-            start = clock(runner.device)
-            runner.extend(tokens, logits_to_keep=n)
-            times.append(clock(runner.device) - start)
-        return min(times[1:]) if n == 1 else times[0]
+        runner.keep(torch.arange(context, device=runner.device))
+        tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
+        start = clock(runner.device)
+        runner.extend(tokens, logits_to_keep=n)
+        return clock(runner.device) - start
+
+    def sample(name: str, n: int) -> tuple[float, float]:
+        """(one-token seconds, n-token seconds / one-token seconds). One token is timed in steady state,
+        right after another one-token forward: plain decoding and chain drafting repeat that shape, which
+        llama.cpp runs faster (it reuses its compute graph: 71 against 91 ms for the 1.5B target on 2
+        cores). Other sizes are timed after a one-token forward, as trees vary."""
+        time_forward(name, 1)
+        one = time_forward(name, 1)
+        return one, (time_forward(name, n) / one if n > 1 else 1.0)
 
     sizes: dict[str, list[int]] = {"target": [], "draft": []}
     with torch.inference_mode():
@@ -438,31 +465,22 @@ def calibrate(
         rounds = [
             [(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)
         ]
-        samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
+        ones: dict[str, list[float]] = {name: [] for name in models}
+        ratios: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
         with tqdm(
             total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
         ) as bar:
             for round_ in rounds:
                 for name, n in round_:
-                    samples[name][n].append(time_forward(name, n))
+                    one, ratio = sample(name, n)
+                    ones[name].append(one)
+                    ratios[name][n].append(ratio)
                     bar.update()
     target_curve, draft_curve = (
-        non_decreasing({n: statistics.median(times) for n, times in samples[name].items()}) for name in models
+        {n: statistics.median(ones[name]) * statistics.median(r) for n, r in ratios[name].items()}
+        for name in models
     )
     return CostModel(target_curve, draft_curve, label)
-
-
-def non_decreasing(points: dict[int, float]) -> dict[int, float]:
-    """The least-squares non-decreasing fit of y over ascending x (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [sum, count] per pooled block
-    for _, y in sorted(points.items()):
-        blocks.append([y, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    fitted = [total / count for total, count in blocks for _ in range(int(count))]
-    return dict(zip(sorted(points), fitted, strict=True))
 
 
 def cached_cost_model(
@@ -496,6 +514,8 @@ def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: st
         forward = forward_label(model)
         return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant}:{vocab}:{forward}"
 
-    key = "|".join([describe(target), describe(draft), str(torch.get_num_threads()), label])
+    key = "|".join(
+        [describe(target), describe(draft), str(torch.get_num_threads()), label, CALIBRATION_FORMAT]
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "calibration" / f"{digest}.json"

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specexec.runner import ModelRunner, prefill
+from specexec.runner import PREFILL_CHUNK, ModelRunner, prefill
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree
 
@@ -78,8 +78,11 @@ class TreeDraftRunner:
     def expand_root(self) -> torch.Tensor:
         """Draft logits (1, V) for the root's children; also feeds any committed tokens it has not seen."""
         missing = self.request.committed[self.runner.length :]  # (m,), ends with the root
-        prefill(self.runner, missing[:-1])  # a draft that has not drafted for a while, or ever
-        logits = self.runner.extend(missing[-1:], logits_to_keep=1)
+        # Whole chunks first (a draft that has not drafted for a while, or ever), then the rest with the
+        # root in one forward: after a chain accepted whole, its last draft token and the bonus token.
+        split = (missing.numel() - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        prefill(self.runner, missing[:split])
+        logits = self.runner.extend(missing[split:], logits_to_keep=1)
         self.tree.expanded[0] = True
         self.calls += 1
         return self._fit_vocab(logits)
