@@ -280,6 +280,36 @@ def test_best_first_second_step_after_commit(draft_model) -> None:
     assert runner.length == len(committed)
 
 
+def test_chain_after_a_whole_accepted_chain_catches_up_in_one_forward(draft_model) -> None:
+    """The chain's last draft token was never fed to the draft; with the bonus token it goes in the same
+    forward as the new root (llama.cpp's speculation does the same), and the next chain is still exact."""
+    runner = ModelRunner(draft_model, CAPACITY)
+    runner.extend(torch.tensor(PROMPT[:-1]))  # the engine's prefill
+    drafter = ChainDrafter(3)
+    first = drafter.propose(request(runner, PROMPT)).tree
+    # All three accepted, then a bonus token. The engine keeps the draft's cache of the accepted nodes it
+    # fed (the root and the first two); the third was drafted but never fed.
+    root_slot = len(PROMPT) - 1
+    fed = first.expanded[: first.size].nonzero().flatten()
+    assert fed.tolist() == [0, 1, 2]
+    runner.keep(torch.cat([torch.arange(root_slot), root_slot + fed]))
+    committed = PROMPT + first.tokens[1:4].tolist() + [11]
+    forwards: list[int] = []  # tokens per draft forward
+    forward_tree = runner.forward_tree
+
+    def counted(tokens, *args, **kwargs):
+        forwards.append(tokens.numel())
+        return forward_tree(tokens, *args, **kwargs)
+
+    runner.forward_tree = counted
+    draft = drafter.propose(request(runner, committed))
+    assert forwards[0] == 2  # the third draft token and the bonus token (the new root), at once
+    assert len(forwards) == 3  # and one forward per further draft token
+    logits = path_logits(draft_model, committed, draft.tree, range(3))
+    for node in range(3):
+        assert int(draft.tree.tokens[node + 1]) == int(logits[node].argmax())
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize(("budget", "branches"), [(1, 4), (8, 4), (12, 3), (9, 1)])
 def test_sampled_tree(draft_model, budget: int, branches: int, greedy: bool) -> None:

@@ -47,13 +47,15 @@ class BestFirstDrafter(DrafterBase):
         return self.policy is None or self.policy.worth_drafting()
 
     def propose(self, request: DraftRequest) -> Draft:
+        drafting = request.max_depth >= 1 and (
+            self.policy is None or (self.policy.gate.allows() and self.policy.worth_drafting())
+        )
+        if not drafting and not self.ngram:  # a plain step: the root alone, at a plain step's cost
+            return Draft(DraftTree(int(request.committed[-1]), 1, request.committed.device))
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         steps = TreeDraftRunner(request, tree)
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         draft_seconds = 0.0  # the cost model's estimate, for the auto budget
-        drafting = request.max_depth >= 1 and (
-            self.policy is None or (self.policy.gate.allows() and self.policy.worth_drafting())
-        )
         for round_ in range(self.max_rounds if drafting else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
             top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
