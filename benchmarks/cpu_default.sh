@@ -32,6 +32,6 @@ target=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-1.5b --types IQ4_
 draft=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-0.5b --types IQ4_NL --paths)
 specexec calibrate --target "$target" --draft "$draft" --backend llamacpp --threads 2
 specexec bench --target "$target" --draft "$draft" --backend llamacpp --threads 2 --prompts humaneval \
-  --n-prompts 4 --max-new-tokens 64 --methods ar,llamacpp,llamacpp-spec,sd,dsl,specexec \
-  --llamacpp-spec-budgets 3 --sd-budgets 2,3 --dsl-budgets auto --budgets 4,8,16,auto --warmup-tokens 8 \
+  --n-prompts 4 --max-new-tokens 64 --methods llamacpp,llamacpp-spec,sd,dsl,specexec \
+  --llamacpp-spec-budgets 3 --sd-budgets 3 --dsl-budgets auto --budgets 4,auto --warmup-tokens 8 \
   --repeats 2 --no-progress --out "$out/iq4nl-humaneval"
