@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -246,32 +247,39 @@ def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) 
     assert cached_cost_model(target, draft).target == first.target
 
 
+def calibrate_on_a_fake_clock(
+    models, monkeypatch, seconds: Callable[[int, int], float]
+) -> tuple[CostModel, list[int]]:
+    """`budget.calibrate` over runners whose k-th forward of n tokens takes `seconds(n, k)` on a fake
+    clock; also returns the sizes forwarded, in order."""
+    from specexec import budget
+
+    now = [0.0]
+    seen: list[int] = []
+
+    class FakeRunner:
+        def __init__(self, model, capacity) -> None:
+            self.device = torch.device("cpu")
+
+        def extend(self, tokens, logits_to_keep=1) -> None:
+            seen.append(tokens.numel())
+            now[0] += seconds(tokens.numel(), len(seen))
+
+        def keep(self, slots) -> None:
+            pass
+
+    monkeypatch.setattr(budget, "make_runner", FakeRunner)
+    monkeypatch.setattr(budget, "clock", lambda device: now[0])
+    target, draft, _ = models
+    return budget.calibrate(target, draft, progress=False), seen
+
+
 def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatch) -> None:
     """The machine slows down steadily while calibrating: every forward costs its size times a factor that
     grows with each forward. Sizes measured one after another would come out in the wrong proportions
     (the last sizes timed at the slowest); timing each against the one-token forward just before it keeps
     them (taking turns alone left a 12% bend)."""
-    from specexec import budget
-
-    now = [0.0]
-
-    class DriftingRunner:
-        forwards = 0
-
-        def __init__(self, model, capacity) -> None:
-            self.device = torch.device("cpu")
-
-        def extend(self, tokens, logits_to_keep=1) -> None:
-            DriftingRunner.forwards += 1
-            now[0] += tokens.numel() * (1 + 0.05 * DriftingRunner.forwards)
-
-        def keep(self, slots) -> None:
-            pass
-
-    monkeypatch.setattr(budget, "make_runner", DriftingRunner)
-    monkeypatch.setattr(budget, "clock", lambda device: now[0])
-    target, draft, _ = models
-    cost = budget.calibrate(target, draft, progress=False)
+    cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: n * (1 + 0.05 * k))
     for curve in (cost.target, cost.draft):
         per_token = [seconds / n for n, seconds in curve.items()]
         assert max(per_token) < 1.05 * min(per_token), curve
@@ -280,26 +288,7 @@ def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatc
 def test_calibration_does_not_time_sizes_that_cannot_pay(models, monkeypatch) -> None:
     """A CPU where cost grows with every token: sizes past REPAY_LIMIT one-token target passes are never
     run (they would be the slowest to time), and the curve extrapolates past the last one timed."""
-    from specexec import budget
-
-    now = [0.0]
-    seen: list[int] = []
-
-    class LinearRunner:
-        def __init__(self, model, capacity) -> None:
-            self.device = torch.device("cpu")
-
-        def extend(self, tokens, logits_to_keep=1) -> None:
-            seen.append(tokens.numel())
-            now[0] += 0.05 * tokens.numel()
-
-        def keep(self, slots) -> None:
-            pass
-
-    monkeypatch.setattr(budget, "make_runner", LinearRunner)
-    monkeypatch.setattr(budget, "clock", lambda device: now[0])
-    target, draft, _ = models
-    cost = budget.calibrate(target, draft, progress=False)
+    cost, seen = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.05 * n)
     assert max(cost.target) == 32 and max(cost.draft) == 32  # 32 costs 32 > 20 passes; 64 never ran
     assert max(n for n in seen if n != 256) == 32  # 256: the context
     assert cost.target_seconds(64) == pytest.approx(3.2)
@@ -355,28 +344,13 @@ def test_calibration_keeps_a_batch_that_costs_less_than_a_smaller_one(models, mo
     1.56x against 2.1x of one). The machine meanwhile switches between two speeds, 1.8x apart, every 20
     forwards. The calibration must keep both the dip and the proportions, and the policies must then
     verify 4 tokens rather than 3."""
-    from specexec import budget
-
     shape = {1: 1.0, 2: 1.55, 3: 2.1, 4: 1.56, 6: 2.7, 8: 3.0, 16: 4.1}
-    now, forwards = [0.0], [0]
 
-    class GroupedRunner:
-        def __init__(self, model, capacity) -> None:
-            self.device = torch.device("cpu")
+    def seconds(n: int, k: int) -> float:
+        speed = 1.8 if (k // 20) % 2 else 1.0
+        return 0.1 * speed * (shape[n] if n in shape else 1.5 * n)
 
-        def extend(self, tokens, logits_to_keep=1) -> None:
-            forwards[0] += 1
-            speed = 1.8 if (forwards[0] // 20) % 2 else 1.0
-            n = tokens.numel()
-            now[0] += 0.1 * speed * (shape[n] if n in shape else 1.5 * n)
-
-        def keep(self, slots) -> None:
-            pass
-
-    monkeypatch.setattr(budget, "make_runner", GroupedRunner)
-    monkeypatch.setattr(budget, "clock", lambda device: now[0])
-    target, draft, _ = models
-    cost = budget.calibrate(target, draft, progress=False)
+    cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, seconds)
     for curve in (cost.target, cost.draft):
         ratios = {n: curve[n] / curve[1] for n in shape if n in curve}
         assert ratios == pytest.approx({n: shape[n] for n in ratios}, rel=0.02), ratios
