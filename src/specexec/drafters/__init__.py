@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from specexec.drafters.base import Draft, Drafter, DrafterBase, DraftRequest
+from specexec.drafters.base import Draft, Drafter, DrafterBase, DraftRequest, plain_step
 from specexec.drafters.best_first import BestFirstDrafter
 from specexec.drafters.chain import ChainDrafter
 from specexec.drafters.sampled_tree import SampledTreeDrafter
-from specexec.tree import DraftTree
 
 
 class NoDrafter(DrafterBase):
@@ -18,7 +17,7 @@ class NoDrafter(DrafterBase):
         return False
 
     def propose(self, request: DraftRequest) -> Draft:
-        return Draft(DraftTree(int(request.committed[-1]), 1, request.committed.device))
+        return plain_step(request)
 
 
 __all__ = [

@@ -38,6 +38,11 @@ class DraftRequest:
     runner: ModelRunner | None  # the draft model's runner (None for `ar`)
 
 
+def plain_step(request: DraftRequest) -> Draft:
+    """The proposal of a step that does not draft: the root alone, so the target samples one token."""
+    return Draft(DraftTree(int(request.committed[-1]), 1, request.committed.device))
+
+
 class Drafter(Protocol):
     max_tree_size: int
 
@@ -78,11 +83,11 @@ class TreeDraftRunner:
     def expand_root(self) -> torch.Tensor:
         """Draft logits (1, V) for the root's children; also feeds any committed tokens it has not seen."""
         missing = self.request.committed[self.runner.length :]  # (m,), ends with the root
-        # Whole chunks first (a draft that has not drafted for a while, or ever), then the rest with the
-        # root in one forward: after a chain accepted whole, its last draft token and the bonus token.
-        split = (missing.numel() - 1) // PREFILL_CHUNK * PREFILL_CHUNK
-        prefill(self.runner, missing[:split])
-        logits = self.runner.extend(missing[split:], logits_to_keep=1)
+        # The last chunk, root included, in one forward (after a chain accepted whole: its last draft
+        # token and the bonus token); anything before it (a draft that has not drafted for a while, or
+        # ever) in chunks.
+        prefill(self.runner, missing[:-PREFILL_CHUNK])
+        logits = self.runner.extend(missing[-PREFILL_CHUNK:], logits_to_keep=1)
         self.tree.expanded[0] = True
         self.calls += 1
         return self._fit_vocab(logits)

@@ -16,7 +16,14 @@ from collections.abc import Sequence
 import torch
 
 from specexec.budget import AutoBudget
-from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
+from specexec.drafters.base import (
+    Draft,
+    DrafterBase,
+    DraftRequest,
+    TreeDraftRunner,
+    expandable,
+    plain_step,
+)
 from specexec.drafters.lookup import graft_chain, ngram_continuation
 from specexec.tree import DraftTree
 
@@ -51,7 +58,7 @@ class BestFirstDrafter(DrafterBase):
             self.policy is None or (self.policy.gate.allows() and self.policy.worth_drafting())
         )
         if not drafting and not self.ngram:  # a plain step: the root alone, at a plain step's cost
-            return Draft(DraftTree(int(request.committed[-1]), 1, request.committed.device))
+            return plain_step(request)
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         steps = TreeDraftRunner(request, tree)
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)

@@ -7,7 +7,14 @@ from collections.abc import Sequence
 import torch
 
 from specexec.budget import ChainCostStop, ConfidenceStop, HeuristicLookahead
-from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable
+from specexec.drafters.base import (
+    Draft,
+    DrafterBase,
+    DraftRequest,
+    TreeDraftRunner,
+    expandable,
+    plain_step,
+)
 from specexec.sampling import probs_from_logits, sample
 from specexec.tree import DraftTree
 
@@ -36,12 +43,12 @@ class ChainDrafter(DrafterBase):
         self.max_tree_size = self.max_length + 1
 
     def propose(self, request: DraftRequest) -> Draft:
+        if not self.drafts_now():
+            return plain_step(request)
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         draft = Draft(tree)
         steps = TreeDraftRunner(request, tree)
         length = min(self.schedule.length if self.schedule else self.length, self.max_length)
-        if not self.drafts_now():
-            length = 0
         node = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         for i in range(min(length, request.max_depth)):
             if not expandable(tree, request)[node]:
