@@ -14,8 +14,9 @@ from transformers.generation.logits_process import (
 )
 
 from specexec.sampling import (
-    NUCLEUS_CANDIDATES,
+    NUCLEUS_FLOOR,
     SamplingParams,
+    argmax,
     probs_from_logits,
     sample,
     sample_without_replacement,
@@ -305,17 +306,31 @@ def test_sample_without_replacement_order_is_sequential_draws() -> None:
 
 
 def test_top_p_over_a_large_vocabulary_is_the_full_sorts_nucleus() -> None:
-    """Past NUCLEUS_CANDIDATES tokens: a peaked row is settled among the candidates, a flat one (which
-    they cannot cover) by the full sort; both equal the nucleus of a full sort."""
+    """A peaked row is settled among its candidates (tokens at least NUCLEUS_FLOOR as likely as its top
+    one), a flat one has every token as a candidate, and a row whose long tail of non-candidates holds
+    more than 1 - top_p takes the full sort: all three equal the nucleus of a full sort."""
     torch.manual_seed(0)
-    vocab = 5000
-    logits = torch.stack([torch.randn(vocab) * 4, torch.zeros(vocab)])  # (2, V): peaked, flat
+    vocab = 20000
+    tail = torch.full((vocab,), math.log(2e-5))
+    tail[0] = math.log(0.6)  # the other 19,999 tokens (0.4 in all) are below the floor
+    logits = torch.stack([torch.randn(vocab) * 4, torch.zeros(vocab), tail])  # (3, V)
+    full = torch.softmax(logits, -1)
+    candidates = full >= full.amax(-1, keepdim=True) * NUCLEUS_FLOOR
+    assert candidates[0].sum() < vocab and candidates[1].all() and int(candidates[2].sum()) == 1
     for top_p in (0.5, 0.9):
         out = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
-        full = torch.softmax(logits, -1)
         ordered, order = full.sort(-1, descending=True)
         keep = (ordered.cumsum(-1) - ordered) < top_p
         keep[:, 0] = True
         expected = torch.zeros_like(full).scatter_(-1, order, ordered * keep)
         torch.testing.assert_close(out, expected / expected.sum(-1, keepdim=True))
-        assert int((out[0] > 0).sum()) < NUCLEUS_CANDIDATES < int((out[1] > 0).sum())
+    assert int((out[2] > 0).sum()) > 1  # at 0.9 the tail row keeps tokens that were not candidates
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_is_torchs_first_index_on_ties(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    rows = torch.randint(0, 4, (64, 1000)).to(dtype)  # many exact ties for the maximum
+    assert torch.equal(argmax(rows), rows.argmax(-1))
+    assert torch.equal(argmax(rows[3]), rows[3].argmax())
+    assert torch.equal(argmax(rows[:, ::3]), rows[:, ::3].argmax(-1))  # a strided view

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
-NUCLEUS_CANDIDATES = 1024  # top-p looks for its set among this many tokens first (`_nucleus`)
+# Top-p looks for its set first among the tokens at least this fraction as likely as the row's most
+# likely one (`_nucleus`).
+NUCLEUS_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.float()
     if params.greedy:
         one_hot = torch.zeros_like(logits)
-        return one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return one_hot.scatter_(-1, argmax(logits)[..., None], 1.0)
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -55,21 +58,47 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest top set of each row whose mass reaches top_p (the top token always), renormalised.
 
-    The set is looked for among the NUCLEUS_CANDIDATES most likely tokens, which nearly always hold that
-    mass: a partial sort of a 152k-token row is several times cheaper than a full one, and a tree
-    verification processes a row per node. Rows they do not cover take the full sort; either way the
-    kept set is the same, since every token past the candidates has at least their mass above it.
+    The set is looked for among the candidates, the tokens at least NUCLEUS_FLOOR as likely as the row's
+    top one, which nearly always hold that mass: sorting a few hundred candidates is cheaper than even a
+    partial sort of a 152k-token row, and a tree verification processes a row per node. A row whose
+    candidates fall short takes the full sort; either way the kept set is the same, since every other
+    token has the candidates' whole mass above it.
     """
-    vocab = probs.shape[-1]
-    top, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, vocab), dim=-1)  # (..., C) descending
-    mass = top.cumsum(-1)  # (..., C)
-    if top.shape[-1] < vocab and bool((mass[..., -1] < top_p).any()):
-        top, order = torch.sort(probs, dim=-1, descending=True)
+    rows = probs.reshape(-1, probs.shape[-1])  # (N, V)
+    candidates = rows >= rows.amax(-1, keepdim=True) * NUCLEUS_FLOOR  # (N, V)
+    kept = torch.zeros_like(rows)
+    for row, is_candidate, out in zip(rows, candidates, kept, strict=True):
+        index = _nonzero(is_candidate)  # (C,)
+        top, order = torch.sort(row[index], descending=True)
         mass = top.cumsum(-1)
-    keep = (mass - top) < top_p  # the mass strictly above each token is still short of top_p
-    keep[..., 0] = True
-    kept = torch.zeros_like(probs).scatter_(-1, order, top * keep)
+        if mass[-1] < top_p:
+            top, index = torch.sort(row, descending=True)
+            mass = top.cumsum(-1)
+        else:
+            index = index[order]
+        keep = (mass - top) < top_p  # the mass strictly above each token is still short of top_p
+        keep[0] = True
+        out[index] = top * keep
+    kept = kept.reshape(probs.shape)
     return kept / kept.sum(-1, keepdim=True)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value, (..., V) -> (...), the first one on exact ties.
+
+    On the CPU through numpy: over a 152k-token row torch's arg-max took 0.27 ms and numpy's 0.013 ms
+    on the machines measured, and a greedy step takes one per draft token and per verified row.
+    """
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1)))
+    return x.argmax(-1)
+
+
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the true entries of a 1-D mask (numpy's on the CPU, 4x faster than torch's here)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

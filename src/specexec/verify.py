@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specexec.sampling import SamplingParams, probs_from_logits, sample
+from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.tree import DraftTree
 
 
@@ -74,7 +74,7 @@ def rejection_walk(
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     if params.greedy:
-        return int(logits.argmax())
+        return int(argmax(logits))
     return int(sample(probs_from_logits(logits, params), generator))
 
 

@@ -20,7 +20,7 @@ import numpy.typing as npt
 import torch
 
 from specexec.runner import clock
-from specexec.sampling import SamplingParams, probs_from_logits, sample
+from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 
 CPU = torch.device("cpu")
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
@@ -76,7 +76,7 @@ class LlamaCpp:
                 np.ctypeslib.as_array(self._logits_of_last(), shape=(self.vocab,))
             )  # (V,)
             if sampling.greedy:
-                token = int(logits.argmax())
+                token = int(argmax(logits))
             else:
                 token = int(sample(probs_from_logits(logits[None], sampling), generator)[0])
             tokens.append(token)

@@ -15,7 +15,7 @@ from specexec.drafters.base import (
     expandable,
     plain_step,
 )
-from specexec.sampling import probs_from_logits, sample
+from specexec.sampling import argmax, probs_from_logits, sample
 from specexec.tree import DraftTree
 
 
@@ -54,14 +54,18 @@ class ChainDrafter(DrafterBase):
             if not expandable(tree, request)[node]:
                 break  # the last draft token ended the sequence
             logits = steps.expand_root() if i == 0 else steps.expand(node)  # (1, V)
-            q = probs_from_logits(logits, request.sampling)  # (1, V)
-            draft.draft_probs[int(node)] = q[0]
-            token = sample(q, request.generator)  # (1,)
+            if request.sampling.greedy:
+                # The cache walk verifies a greedy chain, so no q is kept; the draft's own softmax says
+                # how sure it is.
+                token, q = argmax(logits), None  # (1,)
+            else:
+                q = probs_from_logits(logits, request.sampling)[0]  # (V,)
+                draft.draft_probs[int(node)] = q
+                token = sample(q, request.generator)[None]  # (1,)
             node = tree.add(node, token)
             if self.stop is not None or self.cost_stop is not None:
-                # Under greedy decoding q is one-hot; the draft's own softmax says how sure it is.
-                confidence = torch.softmax(logits[0], -1) if request.sampling.greedy else q[0]
-                draft.confidences.append(float(confidence[token]))
+                sure = torch.softmax(logits[0], -1) if q is None else q  # (V,)
+                draft.confidences.append(float(sure[token]))
                 if self.ends_chain(draft.confidences[-1]):
                     break
         draft.draft_calls = steps.calls
