@@ -87,7 +87,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value, (..., V) -> (...), the first one on exact ties.
 
     On the CPU through numpy: over a 152k-token row torch's arg-max took 0.27 ms and numpy's 0.013 ms
-    on the machines measured, and a greedy step takes one per draft token and per verified row.
+    (Ice Lake Xeon, torch 2.13), and a greedy step takes one per draft token and per verified row.
     """
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1)))
