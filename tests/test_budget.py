@@ -174,6 +174,31 @@ def test_sizing_maximises_the_generations_rate_not_each_steps_own() -> None:
     assert chain.should_stop(0.95)
 
 
+def test_sizing_values_time_at_least_at_plain_decodings_rate() -> None:
+    """Drafting that lost so far puts the achieved rate below plain decoding's. Time must still be valued
+    at plain decoding's rate, which not drafting achieves; at the achieved rate a losing generation
+    would find drafting cheaper the more it lost, and draft on."""
+    cost = CostModel({1: 0.2, 2: 0.3, 3: 0.4}, {1: 0.1, 2: 0.1})  # plain decoding: 5 tok/s
+    # After the root's pass (0.1 s), one node accepted with P = 0.9: 1.9 tokens in 0.4 s. A second pass
+    # for its best child (0.95 after it) adds 0.855 tokens for 0.2 s, 4.3 tok/s: worth it at 3 tok/s.
+    ranked, frontier = torch.tensor([0.9]), torch.tensor([0.9])
+    losing = AutoBudget(cost)
+    achieving(losing, 3.0)
+    assert losing.frontier_size(ranked, frontier, 0.1, 0.95) == 0
+    # A chain after one token the draft is 95% sure of: 1.95 in 0.4 s; a second, 2.85 in 0.6 s (4.75/s).
+    chain = ChainCostStop(cost, max_length=2)
+    achieving(chain, 3.0)
+    assert chain.should_stop(0.95)
+    # Control: with draft passes at a tenth of the cost, the losing history does not stop growth.
+    cheap = CostModel(cost.target, {1: 0.01, 2: 0.01})
+    recovering = AutoBudget(cheap)
+    achieving(recovering, 3.0)
+    assert recovering.frontier_size(ranked, frontier, 0.01, 0.95) == 1
+    chain = ChainCostStop(cheap, max_length=2)
+    achieving(chain, 3.0)
+    assert not chain.should_stop(0.95)
+
+
 def test_auto_budget_expands_narrow_when_wide_draft_passes_cost_more() -> None:
     """A low-bit draft is cheap for a few rows and costs a bfloat16 pass beyond: expand only those few."""
     target = {1: 0.08, 4: 0.085, 16: 0.1, 64: 0.5}
