@@ -346,6 +346,20 @@ def test_chain_cost_stop_follows_costs_and_confidence() -> None:
     assert chain_length(stop, 0.9) < before
 
 
+def test_chain_cost_stop_charges_a_first_pass_that_caught_up() -> None:
+    """A chain whose first draft pass took in 6 tokens (the draft catching up after plain steps) is
+    recorded at its modelled time plus the extra 5 tokens' draft cost."""
+    cost = CostModel({1: 0.1, 64: 0.2}, {1: 0.01, 6: 0.5, 64: 1.0})
+    spent = {}
+    for first in (6, 1):
+        stop = ChainCostStop(cost)
+        before = stop.gate.seconds
+        stop.observe([0.9, 0.8], accepted=1, first_pass_tokens=first)
+        spent[first] = stop.gate.seconds - before
+    assert spent[1] == pytest.approx(stop.chain_seconds[2])
+    assert spent[6] == pytest.approx(spent[1] + 0.5 - 0.01)
+
+
 def test_dsl_auto_is_exact_and_cuts_chains_by_cost(models, reference) -> None:
     depths = {}
     for name, cost in (("steep", STEEP), ("flat", FLAT)):

@@ -310,6 +310,26 @@ def test_chain_after_a_whole_accepted_chain_catches_up_in_one_forward(draft_mode
         assert int(draft.tree.tokens[node + 1]) == int(logits[node].argmax())
 
 
+def test_a_draft_behind_the_committed_tokens_is_charged_for_its_catch_up(draft_model) -> None:
+    """After plain steps the draft's first pass takes in every committed token it has not seen. The
+    chain reports that pass's size, and an auto tree charges it at the draft's cost for that many
+    tokens, not one (resuming after a pause cost up to 18 draft tokens in one pass on MT-Bench)."""
+    from specexec.budget import AutoBudget, CostModel
+
+    committed = PROMPT + [3, 8, 21, 30, 4]  # five tokens decoded plainly since the draft's prefill
+    cost = CostModel({1: 0.1, 64: 0.2}, {1: 0.01, 2: 0.02, 6: 0.5, 64: 1.0})
+    for make in (lambda: BestFirstDrafter(AutoBudget(cost, max_budget=4)), lambda: ChainDrafter(2)):
+        runner = ModelRunner(draft_model, CAPACITY)
+        runner.extend(torch.tensor(PROMPT[:-1]))
+        drafter = make()
+        draft = drafter.propose(request(runner, committed))
+        if isinstance(drafter, ChainDrafter):
+            assert draft.first_pass_tokens == 6  # the five and the root
+        else:
+            assert draft.draft_calls >= 1
+            assert drafter.last_seconds >= cost.draft_seconds(6)
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize(("budget", "branches"), [(1, 4), (8, 4), (12, 3), (9, 1)])
 def test_sampled_tree(draft_model, budget: int, branches: int, greedy: bool) -> None:

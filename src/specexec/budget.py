@@ -342,6 +342,7 @@ class ChainCostStop:
 
     def __init__(self, cost: CostModel, max_length: int = 20) -> None:
         self.max_length = max_length
+        self.cost = cost
         # T(k) for k = 0 .. max_length, looked up for every length after every draft token.
         self.chain_seconds = chain_seconds(cost, max_length)
         self.acceptance = AcceptanceModel()
@@ -374,13 +375,16 @@ class ChainCostStop:
                 return False
         return True
 
-    def observe(self, confidences: list[float], accepted: int) -> None:
-        """The chain's draft probabilities and how many of its tokens were accepted."""
+    def observe(self, confidences: list[float], accepted: int, first_pass_tokens: int = 1) -> None:
+        """The chain's draft probabilities, how many of its tokens were accepted, and how many tokens its
+        first draft pass took in (the gate charges that pass for all of them: after plain steps the
+        draft catches up on theirs, which T(k) leaves out)."""
         verified = confidences[: accepted + 1]  # tokens after the first rejection were never checked
         labels = torch.arange(len(verified)) < accepted
         self.acceptance.observe(torch.tensor(verified), labels)
         if confidences:
-            self.gate.record(accepted + 1, self.chain_seconds[len(confidences)])
+            catch_up = self.cost.draft_seconds(first_pass_tokens) - self.cost.draft_seconds(1)
+            self.gate.record(accepted + 1, self.chain_seconds[len(confidences)] + catch_up)
         self.start()
 
 

@@ -23,6 +23,9 @@ class Draft:
     draft_calls: int = 0
     confidences: list[float] = field(default_factory=list)  # a chain's own token probabilities, in order
     grafted: int = 0  # the tree's last `grafted` nodes are prompt-lookup guesses, not draft samples
+    # Tokens the draft's first forward took in: the root and any committed tokens the draft had not seen
+    # (after a path ending at an unexpanded node, that node; after plain steps, all of theirs).
+    first_pass_tokens: int = 0
 
 
 @dataclass
@@ -79,10 +82,12 @@ class TreeDraftRunner:
         self.tree = tree
         self.root_slot = request.committed.numel() - 1
         self.calls = 0
+        self.passes: list[int] = []  # tokens forwarded by each draft pass, in order
 
     def expand_root(self) -> torch.Tensor:
         """Draft logits (1, V) for the root's children; also feeds any committed tokens it has not seen."""
         missing = self.request.committed[self.runner.length :]  # (m,), ends with the root
+        self.passes.append(missing.numel())
         # The last chunk, root included, in one forward (after a chain accepted whole: its last draft
         # token and the bonus token); anything before it (a draft that has not drafted for a while, or
         # ever) in chunks.
@@ -95,6 +100,7 @@ class TreeDraftRunner:
     def expand(self, nodes: torch.Tensor) -> torch.Tensor:
         """Draft logits (len(nodes), V) for the children of `nodes`, whose ancestors are all expanded."""
         logits = tree_forward(self.runner, self.tree, nodes, self.root_slot)
+        self.passes.append(nodes.numel())
         self.tree.expanded[nodes] = True
         self.calls += 1
         return self._fit_vocab(logits)

@@ -68,7 +68,7 @@ class BestFirstDrafter(DrafterBase):
             top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
             log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
             if self.policy:
-                draft_seconds += self.policy.cost.draft_seconds(len(frontier))
+                draft_seconds += self.policy.cost.draft_seconds(steps.passes[-1])
                 # How likely a best child is to be accepted after its parent, judging by this round.
                 child_accept = float(self.policy.acceptance(log_probs[:, 0].exp()).mean())
             scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability

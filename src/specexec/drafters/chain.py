@@ -69,6 +69,7 @@ class ChainDrafter(DrafterBase):
                 if self.ends_chain(draft.confidences[-1]):
                     break
         draft.draft_calls = steps.calls
+        draft.first_pass_tokens = steps.passes[0] if steps.passes else 0
         return draft
 
     def may_draft(self) -> bool:
@@ -86,16 +87,13 @@ class ChainDrafter(DrafterBase):
         return by_confidence or by_cost
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:
+        """The stopping rules learn the chain's token probabilities and how many were accepted; the cost
+        stop also how many tokens its first draft pass took in."""
         accepted = len(path)
         if self.schedule is not None:
             self.schedule.observe(draft.tree.size - 1, accepted)
             self.schedule.length = min(self.schedule.length, self.max_length)
-        self.observe_confidences(draft.confidences, accepted)
-
-    def observe_confidences(self, confidences: list[float], accepted: int) -> None:
-        """What the stopping rules learn from a verified chain: its tokens' draft probabilities and how
-        many of them were accepted."""
         if self.stop is not None:
-            self.stop.observe(confidences, accepted)
+            self.stop.observe(draft.confidences, accepted)
         if self.cost_stop is not None:
-            self.cost_stop.observe(confidences, accepted)
+            self.cost_stop.observe(draft.confidences, accepted, draft.first_pass_tokens)
