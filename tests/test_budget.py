@@ -427,6 +427,44 @@ def test_auto_methods_stop_drafting_where_it_cannot_pay_and_stay_exact(models, r
         assert out.stats.tree_sizes.count(0) >= len(out.stats.tree_sizes) / 2, (method, out.stats.tree_sizes)
 
 
+def test_learnt_policies_carry_what_one_generation_learnt_into_the_next(models) -> None:
+    """With a draft that is rarely right, a fresh generation finds that out again every time, drafting
+    from its first steps; one that shares `LearntPolicies` with the generation before it drafts far
+    less. Outputs are exact either way."""
+    target, _, prompt = models
+    wrong = tiny(5)  # unrelated weights
+    cost = CostModel({1: 0.1, 4: 0.11, 16: 0.2}, {1: 0.02, 16: 0.05})
+    for method in ("specexec", "dsl"):
+        learnt = specexec.LearntPolicies()
+
+        def run(shared, method=method):
+            return specexec.generate(
+                target, wrong, prompt, method=method, budget="auto", cost_model=cost, max_new_tokens=48,
+                learnt=shared,
+            )  # fmt: skip
+
+        first, again, fresh = run(learnt), run(learnt), run(None)
+        assert again.tokens == fresh.tokens == first.tokens
+        assert fresh.stats.draft_calls == first.stats.draft_calls > 0
+        assert again.stats.draft_calls < fresh.stats.draft_calls / 2, method
+
+
+def test_learnt_rates_follow_the_last_observations() -> None:
+    from specexec.budget import ACCEPTANCE_MEMORY, RATE_MEMORY, SpeculationGate
+
+    model = AcceptanceModel()
+    for _ in range(4):
+        model.observe(torch.full((ACCEPTANCE_MEMORY,), 0.95), torch.ones(ACCEPTANCE_MEMORY, dtype=torch.bool))
+    model.observe(torch.full((ACCEPTANCE_MEMORY,), 0.95), torch.zeros(ACCEPTANCE_MEMORY, dtype=torch.bool))
+    assert float(model(torch.tensor([0.95]))[0]) == pytest.approx(0.5, abs=0.01)  # all-time: 0.8
+    gate = SpeculationGate(CostModel({1: 0.1, 64: 0.2}, {1: 0.05, 64: 0.1}))
+    for _ in range(RATE_MEMORY):
+        gate.record(1, 0.5)  # 2 tok/s
+    for _ in range(RATE_MEMORY // 2):
+        gate.record(10, 0.5)  # 20 tok/s, five memories' worth of tokens
+    assert gate.rate > 15  # all-time: 8
+
+
 def test_chain_pays_only_where_speculation_can_win() -> None:
     from specexec.budget import chain_pays, chain_seconds
 

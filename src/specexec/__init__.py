@@ -1,5 +1,6 @@
 """specexec: fast LLM generation on limited hardware through speculative decoding."""
 
+from specexec.budget import LearntPolicies
 from specexec.engine import METHODS, Chunk, GenerationError, GenerationOutput, Stats, generate, stream
 from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams
@@ -9,6 +10,7 @@ __all__ = [
     "Chunk",
     "GenerationError",
     "GenerationOutput",
+    "LearntPolicies",
     "PrefixCache",
     "SamplingParams",
     "Stats",

@@ -6,8 +6,9 @@ import hashlib
 import json
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -110,6 +111,10 @@ class CostModel:
     def to_json(self) -> dict:
         return {"label": self.label, "target": self.target, "draft": self.draft}
 
+    def fingerprint(self) -> tuple:
+        """Equal for cost models of the same measurements (a calibration read from disk twice)."""
+        return self.label, tuple(self.target.items()), tuple(self.draft.items())
+
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         as_points = lambda d: {int(k): float(v) for k, v in d.items()}  # noqa: E731
@@ -148,10 +153,15 @@ class AcceptanceModel:
         return (self.accepted / self.tried)[self._bin(q)]
 
     def observe(self, q: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Verified draft tokens: their draft probabilities q and whether each was accepted."""
+        """Verified draft tokens: their draft probabilities q and whether each was accepted. A bin keeps
+        its last ACCEPTANCE_MEMORY tokens' worth (older ones fade), so rates learnt over many generations
+        still follow the text."""
         bins = self._bin(q)
         self.tried.index_add_(0, bins, torch.ones_like(q, dtype=self.tried.dtype))
         self.accepted.index_add_(0, bins, accepted.to(self.accepted.dtype))
+        fade = (ACCEPTANCE_MEMORY / self.tried).clamp(max=1.0)
+        self.tried *= fade
+        self.accepted *= fade
 
     def _bin(self, q: torch.Tensor) -> torch.Tensor:
         return (q.float() * self.BINS).long().clamp(0, self.BINS - 1).cpu()
@@ -200,6 +210,9 @@ class SpeculationGate:
     def record(self, tokens: int, seconds: float) -> None:
         self.tokens += tokens
         self.seconds += seconds
+        if self.tokens > RATE_MEMORY:  # λ follows the last RATE_MEMORY tokens' worth of drafted steps
+            fade = RATE_MEMORY / self.tokens
+            self.tokens, self.seconds = RATE_MEMORY, self.seconds * fade
         self.history.append((tokens, seconds))
         if len(self.history) < self.window:
             return
@@ -388,6 +401,34 @@ class ChainCostStop:
         self.start()
 
 
+Policy = TypeVar("Policy", "AutoBudget", "ChainCostStop")
+
+
+class LearntPolicies:
+    """What the auto budgets learn (acceptance rates, the speculation gate and the achieved rate λ), kept
+    across generations.
+
+    Pass the same object to every `stream` call that should share it (a server, a benchmark): each
+    generation then starts from what the ones before it learnt, instead of from the draft's own
+    probabilities and an open gate, and does not pay again to find out that drafting loses on this
+    kind of text (measured on MT-Bench, docs/benchmarks.md). One policy per model pair, method, sampling
+    rule and cost model; generations sharing one must not run at the same time.
+    """
+
+    def __init__(self) -> None:
+        self._policies: dict[tuple, AutoBudget | ChainCostStop] = {}
+
+    def get(self, key: tuple, make: Callable[[], Policy]) -> Policy:
+        """The policy kept under `key`, made by `make()` the first time."""
+        if key not in self._policies:
+            self._policies[key] = make()
+        return self._policies[key]  # type: ignore[return-value]
+
+
+# What the auto policies remember when they live across generations (`LearntPolicies`): per acceptance
+# bin, the last this many verified tokens; for λ, the last this many tokens of drafted steps.
+ACCEPTANCE_MEMORY = 256
+RATE_MEMORY = 512
 # Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)

@@ -14,6 +14,7 @@ from specexec.budget import (
     ConfidenceStop,
     CostModel,
     HeuristicLookahead,
+    LearntPolicies,
     cached_cost_model,
 )
 from specexec.drafters import (
@@ -145,6 +146,7 @@ def stream(
     stop_strings: Sequence[str] = (),
     tokenizer=None,
     cost_model: CostModel | None = None,
+    learnt: LearntPolicies | None = None,
     prefix_cache: PrefixCache | None = None,
     cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[Chunk]:
@@ -165,7 +167,8 @@ def stream(
     budget="auto" sizes every step's tree by expected speed, from `cost_model` (by default this pair's
     calibration, measured on first use and cached) and the acceptances seen so far; for "dsl" it also
     ends each chain where drafting on is not expected to pay at the rate the generation achieves (at most
-    DSL_MAX_LENGTH tokens).
+    DSL_MAX_LENGTH tokens). With `learnt`, what these policies learn carries over to the next generation
+    given the same object (`budget.LearntPolicies`); without it, every generation learns afresh.
     Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
     configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
     (which needs `tokenizer`).
@@ -191,10 +194,19 @@ def stream(
         if method not in AUTO_METHODS:
             raise GenerationError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
         cost = cost_model or cached_cost_model(target, draft)
+        max_budget = min(AUTO_MAX_BUDGET, leaf_limit - 2 * ngram)
+        make = (
+            (lambda: ChainCostStop(cost, DSL_MAX_LENGTH))
+            if method == "dsl"
+            else (lambda: AutoBudget(cost, max_budget=max_budget))
+        )
+        key = (id(target), id(draft), method, max_budget, temperature, top_k, top_p, cost.fingerprint())
+        policy = learnt.get(key, make) if learnt is not None else make()
         if method == "dsl":
-            budget, cost_stop = DSL_MAX_LENGTH, ChainCostStop(cost, DSL_MAX_LENGTH)
+            budget, cost_stop = DSL_MAX_LENGTH, policy
+            cost_stop.start()  # a chain cut short by the last generation's end is not this one's
         else:
-            budget = AutoBudget(cost, max_budget=min(AUTO_MAX_BUDGET, leaf_limit - 2 * ngram))
+            budget = policy
     elif not isinstance(budget, int) or (method != "ar" and budget < 1):
         raise GenerationError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
     if lookahead_schedule not in ("constant", "heuristic"):

@@ -36,6 +36,7 @@ from itertools import product
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from specexec.budget import LearntPolicies
 from specexec.engine import AUTO_METHODS, METHODS, generate
 from specexec.models import eos_token_ids
 from specexec.prompts import Prompt
@@ -289,6 +290,8 @@ def run_benchmark(
     )
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    # As in a server: the auto budgets of each configuration keep learning from one prompt to the next.
+    learnt = LearntPolicies()
 
     def run(config: BenchConfig, prompt: Prompt, tokens: int, prompt_seed: int) -> dict:
         if config.method == "llamacpp":
@@ -300,7 +303,9 @@ def run_benchmark(
         target, draft = pairs[config.quant]
         if config.method in HF_METHODS:
             return _run_hf(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
-        return _run_engine(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
+        return _run_engine(
+            target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, learnt, **sampling
+        )
 
     from tqdm.auto import tqdm
 
@@ -403,6 +408,7 @@ def _run_engine(
     max_new_tokens: int,
     seed: int,
     eos: list[int],
+    learnt: LearntPolicies,
     *,
     temperature: float,
     top_p: float,
@@ -426,6 +432,7 @@ def _run_engine(
         top_k=top_k,
         seed=seed,
         eos_token_id=eos,
+        learnt=learnt,
         **shape,
     )
     wall = clock(target.device) - start

@@ -292,7 +292,9 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "- Every configuration ran on the same prompts with the same seed per prompt, interleaved (the order "
         "rotated per prompt), after a warm-up generation per configuration that is not counted. With "
         "`--repeats R` every prompt ran R times per configuration (same seed, same tokens; the order "
-        "reversed on every other pass) and each row sums all R.",
+        "reversed on every other pass) and each row sums all R. A budget `auto` keeps what it learnt "
+        "(acceptance rates, the speculation gate) from one generation to the next, warm-up included, as in "
+        "the server.",
         "- hf-assisted / hf-lookup are Hugging Face `generate` (assistant_model at its default dynamic "
         "settings; prompt_lookup_num_tokens=10), timed by the same clock; target/draft forwards are counted "
         "and timed by forward hooks. generate folds the prompt into its first target forward, so the "

@@ -490,10 +490,13 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
     if unknown:
         raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
     sized_by_cost = (budget if budget is not None else DEFAULT_BUDGETS[method]) == "auto"
-    if sized_by_cost and options.get("cost_model") is None:
-        from specexec.budget import cached_cost_model
+    if sized_by_cost:
+        from specexec.budget import LearntPolicies, cached_cost_model
 
-        options["cost_model"] = cached_cost_model(target, draft)  # calibrates now if not cached
+        if options.get("cost_model") is None:
+            options["cost_model"] = cached_cost_model(target, draft)  # calibrates now if not cached
+        # Requests run one at a time: each starts from what the auto budget learnt on the ones before.
+        options.setdefault("learnt", LearntPolicies())
     return options
 
 
