@@ -196,8 +196,8 @@ class SpeculationGate:
     def floor_rate(self) -> float:
         """The rate every sizing rule values time at: λ, but never below plain decoding's, which a
         generation achieves whatever drafting did so far. Valued below it, time spent drafting would look
-        cheaper the more drafting had lost, and a losing generation would draft more (measured: 0.84x
-        plain llama.cpp on MT-Bench, docs/benchmarks.md)."""
+        cheaper the more drafting had lost, and a losing generation would draft more (part of why the
+        default once ran at 0.84x plain llama.cpp on MT-Bench, docs/benchmarks.md)."""
         return max(self.rate, self.plain_rate)
 
     def allows(self) -> bool:
@@ -429,6 +429,7 @@ class LearntPolicies:
 # bin, the last this many verified tokens; for λ, the last this many tokens of drafted steps.
 ACCEPTANCE_MEMORY = 256
 RATE_MEMORY = 512
+
 # Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
