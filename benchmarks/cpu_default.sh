@@ -31,7 +31,11 @@ done
 target=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-1.5b --types IQ4_NL --paths)
 draft=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-0.5b --types IQ4_NL --paths)
 specexec calibrate --target "$target" --draft "$draft" --backend llamacpp --threads 2
-specexec bench --target "$target" --draft "$draft" --backend llamacpp --threads 2 --prompts humaneval \
-  --n-prompts 4 --max-new-tokens 64 --methods llamacpp,llamacpp-spec,sd,dsl,specexec \
-  --llamacpp-spec-budgets 3 --sd-budgets 3 --dsl-budgets auto --budgets 4,auto --warmup-tokens 8 \
-  --repeats 2 --no-progress --out "$out/iq4nl-humaneval"
+for temp in 0 0.6; do
+  sampling=(--temperature "$temp")
+  [ "$temp" = 0 ] || sampling+=(--top-p 0.9)
+  specexec bench --target "$target" --draft "$draft" --backend llamacpp --threads 2 --prompts humaneval \
+    --n-prompts 4 --max-new-tokens 64 --methods llamacpp,llamacpp-spec,sd,dsl,specexec \
+    --llamacpp-spec-budgets 3 --sd-budgets 3 --dsl-budgets auto --budgets auto --warmup-tokens 8 \
+    --repeats 2 --no-progress "${sampling[@]}" --out "$out/iq4nl-humaneval-t$temp"
+done
