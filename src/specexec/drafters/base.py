@@ -82,12 +82,12 @@ class TreeDraftRunner:
         self.tree = tree
         self.root_slot = request.committed.numel() - 1
         self.calls = 0
-        self.passes: list[int] = []  # tokens forwarded by each draft pass, in order
+        self.first_pass_tokens = 0  # what `expand_root` forwarded: the root and what the draft had not seen
 
     def expand_root(self) -> torch.Tensor:
         """Draft logits (1, V) for the root's children; also feeds any committed tokens it has not seen."""
         missing = self.request.committed[self.runner.length :]  # (m,), ends with the root
-        self.passes.append(missing.numel())
+        self.first_pass_tokens = missing.numel()
         # The last chunk, root included, in one forward (after a chain accepted whole: its last draft
         # token and the bonus token); anything before it (a draft that has not drafted for a while, or
         # ever) in chunks.
@@ -100,7 +100,6 @@ class TreeDraftRunner:
     def expand(self, nodes: torch.Tensor) -> torch.Tensor:
         """Draft logits (len(nodes), V) for the children of `nodes`, whose ancestors are all expanded."""
         logits = tree_forward(self.runner, self.tree, nodes, self.root_slot)
-        self.passes.append(nodes.numel())
         self.tree.expanded[nodes] = True
         self.calls += 1
         return self._fit_vocab(logits)

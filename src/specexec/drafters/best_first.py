@@ -16,14 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from specexec.budget import AutoBudget
-from specexec.drafters.base import (
-    Draft,
-    DrafterBase,
-    DraftRequest,
-    TreeDraftRunner,
-    expandable,
-    plain_step,
-)
+from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable, plain_step
 from specexec.drafters.lookup import graft_chain, ngram_continuation
 from specexec.tree import DraftTree
 
@@ -68,7 +61,8 @@ class BestFirstDrafter(DrafterBase):
             top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
             log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
             if self.policy:
-                draft_seconds += self.policy.cost.draft_seconds(steps.passes[-1])
+                tokens = steps.first_pass_tokens if round_ == 0 else len(frontier)
+                draft_seconds += self.policy.cost.draft_seconds(tokens)
                 # How likely a best child is to be accepted after its parent, judging by this round.
                 child_accept = float(self.policy.acceptance(log_probs[:, 0].exp()).mean())
             scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability

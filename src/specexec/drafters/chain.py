@@ -7,14 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from specexec.budget import ChainCostStop, ConfidenceStop, HeuristicLookahead
-from specexec.drafters.base import (
-    Draft,
-    DrafterBase,
-    DraftRequest,
-    TreeDraftRunner,
-    expandable,
-    plain_step,
-)
+from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable, plain_step
 from specexec.sampling import argmax, probs_from_logits, sample
 from specexec.tree import DraftTree
 
@@ -69,7 +62,7 @@ class ChainDrafter(DrafterBase):
                 if self.ends_chain(draft.confidences[-1]):
                     break
         draft.draft_calls = steps.calls
-        draft.first_pass_tokens = steps.passes[0] if steps.passes else 0
+        draft.first_pass_tokens = steps.first_pass_tokens
         return draft
 
     def may_draft(self) -> bool:
