@@ -26,11 +26,12 @@ import torch
 
 from specexec import generate
 from specexec.budget import ChainCostStop, ConfidenceStop, CostModel
-from specexec.drafters import ChainDrafter
+from specexec.drafters import ChainDrafter, Draft
 from specexec.engine import DSL_MAX_LENGTH
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts
 from specexec.runner import ModelRunner
+from specexec.tree import DraftTree
 
 PAST_MISMATCH = 4  # draft tokens traced after the first one that misses
 
@@ -92,7 +93,9 @@ class Dsl:
         return next((k for k, c in enumerate(confidences, 1) if self.chain.ends_chain(c)), len(confidences))
 
     def observe(self, confidences: list[float], accepted: int) -> None:
-        self.chain.observe_confidences(confidences, accepted)
+        # A replayed chain: its first draft pass took in the root alone, as in steady drafting.
+        draft = Draft(DraftTree(0, 1, torch.device("cpu")), confidences=confidences, first_pass_tokens=1)
+        self.chain.observe(draft, list(range(1, accepted + 1)))
 
 
 class Threshold:
