@@ -469,6 +469,31 @@ def test_configs_per_quantization_level_and_ngram() -> None:
         BenchConfig("sd", 2, ngram=4)
 
 
+def test_draft_vocabularies_compared_in_one_run(model_dirs, prompt_file: Path, tmp_path: Path) -> None:
+    configs = make_configs(["sd", "specexec", "llamacpp"], [8], sd_budgets=[2], draft_vocabs=[0, 64])
+    assert [c.label for c in configs] == [
+        "ar", "sd@2", "sd@2/dv64", "specexec@8", "specexec@8/dv64", "llamacpp",
+    ]  # fmt: skip
+    with pytest.raises(BenchError, match="takes no --draft-vocab"):
+        BenchConfig("ar", draft_vocab=64)
+    with pytest.raises(BenchError, match="one quantization level at a time"):
+        make_configs(["sd"], quants=["none", "int8"], draft_vocabs=[0, 64])
+    target_dir, draft_dir = model_dirs
+    argv = [
+        "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "float32",
+        "--prompts", str(prompt_file), "--n-prompts", "2", "--max-new-tokens", "12",
+        "--methods", "sd", "--sd-budgets", "3", "--draft-vocab", "0,64", "--warmup-tokens", "0",
+        "--no-progress", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["label"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
+    assert list(rows) == ["ar", "sd@3", "sd@3/dv64"]
+    assert rows["sd@3/dv64"]["draft_vocab"] == 64 and rows["sd@3"]["draft_vocab"] == 0
+    assert all(row["identical_to_ar"] for row in rows.values())
+    # Another draft really ran: it cannot propose ids >= 64, so it agrees with the target less often.
+    assert rows["sd@3/dv64"]["tokens_per_step"] < rows["sd@3"]["tokens_per_step"]
+
+
 class FakeLlamaCpp:
     """Stands in for `specexec.bench.llamacpp.LlamaCpp`: replays the target's greedy tokens."""
 

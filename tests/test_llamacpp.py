@@ -333,6 +333,67 @@ def test_a_follow_up_reuses_the_cached_prefix(model, args) -> None:
     assert reused.tokens == specexec.generate(target, draft, turn, max_new_tokens=24, **args).tokens
 
 
+# -- a draft with a reduced head (--draft-vocab) -----------------------------------------------------------
+
+
+@pytest.fixture
+def reduced(gguf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The test model and the same GGUF with a head of ids < 40 and 100 (padded to 64 rows)."""
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+
+    def make(arch: str, weights: str, kind: str = "target") -> tuple[LlamaCppModel, LlamaCppModel]:
+        full = _model(str(gguf_dir), arch, weights, kind)
+        return full, LlamaCppModel(full.gguf, threads=1, vocab=40, always=[100])
+
+    return make
+
+
+@pytest.mark.parametrize(("arch", "weights"), [("llama", "f32"), ("qwen2", "q8_0")])
+def test_a_reduced_head_scores_its_rows_as_the_full_head_does(reduced, arch: str, weights: str) -> None:
+    full, small = reduced(arch, weights)
+    kept = small.head
+    assert kept.tolist() == [*range(63), 100] and small.head_rows == 64
+    assert small.config.vocab_size == full.config.vocab_size
+    assert small.describe() != full.describe()  # its own calibration
+    # Inputs ids outside the head (>= 64 here) are read from the full embedding table.
+    tokens = torch.tensor([*PROMPT, 120, 99, 64, 127])
+    cut = torch.ones(full.config.vocab_size, dtype=torch.bool)
+    cut[kept] = False
+    for trees in (False, True):
+        expected = LlamaCppRunner(full, 64, trees).extend(tokens, 0)  # (T, V)
+        logits = LlamaCppRunner(small, 64, trees).extend(tokens, 0)
+        assert torch.equal(logits[:, kept], expected[:, kept])
+        assert torch.isneginf(logits[:, cut]).all()
+    tree = random_tree(1, 24, full.config.vocab_size, PROMPT[-1])
+    rows = []
+    for model in (full, small):
+        runner = LlamaCppRunner(model, 128)
+        runner.extend(torch.tensor(PROMPT[:-1]))
+        rows.append(forward_whole_tree(runner, tree, len(PROMPT) - 1)[:, kept])
+    assert torch.equal(rows[0], rows[1])
+
+
+def test_a_reduced_head_is_written_once(reduced, monkeypatch) -> None:
+    from specexec import draft_vocab
+
+    first = reduced("llama", "f32")[1]
+    monkeypatch.setattr(draft_vocab, "write_reduced_head_gguf", mock.Mock(side_effect=AssertionError))
+    again = reduced("llama", "f32")[1]
+    assert torch.equal(again.head, first.head)
+
+
+@pytest.mark.parametrize("kind", ["target", "perturbed"])
+def test_every_method_is_exact_with_a_reduced_head_draft(model, reduced, kind: str) -> None:
+    target, draft = model("qwen2", "q8_0"), reduced("qwen2", "q8_0", kind)[1]
+    reference = ar_reference(target)
+    assert any(t not in draft.head for t in reference)  # test design: the draft cannot propose them all
+    for args in METHODS:
+        cost = {"cost_model": FLAT} if args["budget"] == "auto" else {}
+        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args, **cost)
+        assert out.tokens == reference, args
+        assert out.stats.tokens_per_step > 1.2, args  # the draft was used
+
+
 def test_a_torch_draft_can_serve_a_llamacpp_target(model) -> None:
     """Backends are per model: the engine sees two runners, whatever drives them."""
     from tiny_models import tiny_model

@@ -40,7 +40,8 @@ def _non_negative_int(text: str) -> int:
 
 def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) -> None:
     """--target, --draft, --dtype, --quant and the offloading flags, shared by every command that loads
-    models. With `quant_list`, --quant takes a comma-separated list (the bench runs each level)."""
+    models. With `quant_list`, --quant and --draft-vocab take comma-separated lists (the bench runs each
+    level and each draft vocabulary)."""
     from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from specexec.quant import QUANT_MODES
 
@@ -92,14 +93,20 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
     parser.add_argument(
         "--draft-quant", choices=QUANT_MODES, default=None, help="the draft's quantization (default: --quant)"
     )
-    parser.add_argument(
-        "--draft-vocab",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="the draft scores only the first N token ids and the special tokens: a cheaper draft pass "
-        "(e.g. 32000; default 0 = all)",
+    vocab_help = (
+        "the draft scores only the first N token ids and the special tokens: a cheaper draft pass "
+        "(e.g. 32000; default 0 = all)"
     )
+    if quant_list:
+        parser.add_argument(
+            "--draft-vocab",
+            type=_vocab_list,
+            default=[0],
+            metavar="N[,N...]",
+            help=vocab_help + "; a comma-separated list runs the drafted methods with each",
+        )
+    else:
+        parser.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N", help=vocab_help)
     off = parser.add_argument_group("offloading (target only)")
     off.add_argument(
         "--offload",
@@ -132,6 +139,10 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
 
 
 BACKENDS = ("auto", "torch", "llamacpp")
+
+
+def _vocab_list(text: str) -> list[int]:
+    return list(dict.fromkeys(_non_negative_int(part) for part in text.split(",") if part.strip()))
 
 
 def _quant_list(text: str) -> list[str]:
@@ -249,26 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = None):
+def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = None, vocab: int | None = None):
     """Tokenizer, target and draft (None unless `need_draft`) as the model arguments ask, each on its
     backend (`args.backends` records them); a torch target is offloaded or its offloading simulated if
     requested (the label is left in `args.simulated`). `quant` overrides --quant (the bench loads one
-    pair per level)."""
+    pair per level), `vocab` --draft-vocab."""
     import torch
 
-    from specexec.models import (
-        check_same_vocab,
-        choose_backend,
-        default_dtype,
-        load_model,
-        load_tokenizer,
-    )
+    from specexec.models import choose_backend, default_dtype, load_model, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype()
     quant = quant or args.quant
-    draft_quant = args.draft_quant or quant
     shared = [f"--dtype {args.dtype}"] if args.dtype else []
     offload = None
     if args.offload or args.gpu_memory or args.quant_offload:
@@ -276,20 +280,11 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
     target_only = [f"--quant {quant}"] if quant != "none" else []
     target_only += ["--offload"] if offload else []
     target_only += ["--simulate-offload-gbps"] if args.simulate_offload_gbps is not None else []
-    draft_only = [f"--quant {draft_quant}"] if draft_quant != "none" else []
-    draft_only += ["--draft-vocab"] if args.draft_vocab else []
     target_backend = choose_backend(args.backend, args.target, shared + target_only)
-    draft_backend = choose_backend(args.draft_backend or args.backend, args.draft, shared + draft_only)
-    args.backends = {"target": target_backend, "draft": draft_backend if need_draft else None}
+    args.backends = {"target": target_backend, "draft": None}
 
     tokenizer = load_tokenizer(args.target)
-    draft = None
-    if need_draft:
-        check_same_vocab(tokenizer, load_tokenizer(args.draft))
-        draft = load_model(
-            args.draft, dtype if draft_backend == "torch" else None, quant=draft_quant,
-            vocab=args.draft_vocab, backend=draft_backend, threads=args.threads,
-        )  # fmt: skip
+    draft = load_draft(args, quant, args.draft_vocab if vocab is None else vocab) if need_draft else None
     target = load_model(
         args.target, dtype if target_backend == "torch" else None, offload=offload, quant=quant,
         backend=target_backend, threads=args.threads,
@@ -303,6 +298,26 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
     if draft is not None and target.device.type == "cuda":
         draft = draft.to(target.device)  # the draft stays resident on the GPU
     return tokenizer, target, draft
+
+
+def load_draft(args: argparse.Namespace, quant: str, vocab: int):
+    """The draft as the model arguments ask, at quantization level `quant` (or --draft-quant) and scoring
+    `vocab` token ids (0 = all); its backend is recorded in `args.backends`."""
+    import torch
+
+    from specexec.models import check_same_vocab, choose_backend, default_dtype, load_model, load_tokenizer
+
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype()
+    draft_quant = args.draft_quant or quant
+    torch_only = [f"--dtype {args.dtype}"] if args.dtype else []
+    torch_only += [f"--quant {draft_quant}"] if draft_quant != "none" else []
+    backend = choose_backend(args.draft_backend or args.backend, args.draft, torch_only)
+    args.backends["draft"] = backend
+    check_same_vocab(load_tokenizer(args.target), load_tokenizer(args.draft))
+    return load_model(
+        args.draft, dtype if backend == "torch" else None, quant=draft_quant, vocab=vocab, backend=backend,
+        threads=args.threads,
+    )  # fmt: skip
 
 
 def backend_label(args: argparse.Namespace) -> str:

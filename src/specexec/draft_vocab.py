@@ -10,12 +10,19 @@ tokenizer's special tokens), are always kept.
 The other ids get logit -inf: the draft gives them probability 0. That costs acceptance where the target
 wants a rare token, never correctness, since every method verifies with the target's full distribution
 (the rejection rules take the draft's probabilities as they are, zeros included).
+
+Two forms of the same restriction: `restrict_draft_vocab` swaps a torch model's head for a `ReducedHead`;
+`write_reduced_head_gguf` writes a GGUF whose output layer holds only the kept rows, for llama.cpp, which
+then reads the token embedding from the caller (the input ids are not restricted).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -62,16 +69,66 @@ def restrict_draft_vocab(
         raise DraftVocabError("the draft's vocabulary is already restricted")
     if not isinstance(head, nn.Linear):
         raise DraftVocabError(f"cannot restrict the LM head of {type(model).__name__}")
-    vocab = head.out_features
-    check_draft_vocab(size, vocab)
     config = model.config.get_text_config()
     generation = getattr(model, "generation_config", None)
-    extra = {*always, *_ids(config.eos_token_id), *_ids(getattr(generation, "eos_token_id", None))}
-    kept = {*range(size), *(i for i in extra if 0 <= i < vocab)}
-    padding = [i for i in range(size, vocab) if i not in kept][: -len(kept) % multiple]
-    kept = sorted(kept.union(padding))
+    extra = [*always, *_ids(config.eos_token_id), *_ids(getattr(generation, "eos_token_id", None))]
+    kept = kept_token_ids(size, head.out_features, extra, multiple)
     model.set_output_embeddings(ReducedHead(head, torch.tensor(kept, device=head.weight.device)))
     return model
+
+
+def kept_token_ids(size: int, vocab: int, always: Iterable[int] = (), multiple: int = 64) -> list[int]:
+    """The ids a head restricted to `size` of `vocab` ids scores, ascending: ids < `size`, the ids in
+    `always`, and the next ids up to a whole `multiple` of rows."""
+    check_draft_vocab(size, vocab)
+    kept = {*range(size), *(i for i in always if 0 <= i < vocab)}
+    padding = [i for i in range(size, vocab) if i not in kept][: -len(kept) % multiple]
+    return sorted(kept.union(padding))
+
+
+def write_reduced_head_gguf(source: Path, size: int, always: Iterable[int], dest: Path) -> None:
+    """Write into the folder `dest` the GGUF `source` with a head of `kept_token_ids(size, ...)` only.
+
+    `model.gguf` keeps every tensor but the output layer (the kept rows) and the token embedding (cut
+    to the same rows: llama.cpp sizes both by its vocabulary, which becomes the kept tokens, renumbered
+    0..n-1); `embedding.npy` holds the full token embedding as stored (quantized rows), for inputs fed as
+    embeddings; `head.json` the kept ids, the full vocabulary and the embedding's GGML type.
+    """
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(source)
+    tensors = {t.name: t for t in reader.tensors}
+    embedding = tensors["token_embd.weight"]
+    vocab = int(embedding.shape[1])  # GGML order: (n_embd, n_vocab)
+    kept = kept_token_ids(size, vocab, always)
+    position = {token: i for i, token in enumerate(kept)}
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dest / "model.gguf", arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, kind = f.contents(), f.types[0]
+        if name == f"{arch}.vocab_size":
+            value = len(kept)
+        elif name.startswith("tokenizer.ggml.") and name.endswith("_token_id"):
+            if value not in position:
+                continue  # a special id outside the head: the reduced vocabulary has no such token
+            value = position[value]
+        elif kind == GGUFValueType.ARRAY and name != "tokenizer.ggml.merges" and len(value) == vocab:
+            value = [value[i] for i in kept]  # tokens, their types and scores
+        writer.add_key_value(name, value, kind, sub_type=f.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for name, t in tensors.items():
+        data = t.data
+        if name == "token_embd.weight" or (name == "output.weight" and t.shape[1] == vocab):
+            data = data[kept]  # rows are tokens, in every storage type
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    np.save(dest / "embedding.npy", np.asarray(embedding.data))
+    head = {"kept": kept, "vocab": vocab, "embedding_type": int(embedding.tensor_type)}
+    (dest / "head.json").write_text(json.dumps(head))
 
 
 def check_draft_vocab(size: int, vocab: int) -> None:

@@ -23,8 +23,12 @@ llama.cpp aborts the whole process on some bad arguments (a batch above `n_batch
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
+import shutil
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,29 +100,53 @@ class LlamaCppModel:
 
     Stands in for a `transformers` model wherever the engine needs one: `config`, `generation_config`,
     `device`, `dtype`. `threads` sets llama.cpp's thread count (default: torch's).
+
+    `vocab` > 0 makes a draft score only its first `vocab` token ids and the ids in `always`
+    (`specexec.draft_vocab`): llama.cpp runs a copy of the GGUF whose output layer has those rows only
+    (written once under the cache root), takes every input as an embedding looked up here from the full
+    table, and the logits of the other ids are -inf.
     """
 
     backend = "llamacpp"
     device = CPU
 
-    def __init__(self, gguf: str | os.PathLike, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        gguf: str | os.PathLike,
+        threads: int | None = None,
+        vocab: int = 0,
+        always: Iterable[int] = (),
+    ) -> None:
         llama_cpp = _llama_cpp()
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
         self.threads = threads or torch.get_num_threads()
+        loaded = self.gguf
+        self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
+        if vocab:
+            folder = _reduced_head(self.gguf, vocab, always)
+            head = json.loads((folder / "head.json").read_text())
+            self.head = torch.tensor(head["kept"])
+            self._embedding = np.load(folder / "embedding.npy", mmap_mode="r")  # (V, row bytes or n_embd)
+            self._embedding_type = head["embedding_type"]
+            loaded = folder / "model.gguf"
         params = llama_cpp.llama_model_default_params()
-        self.handle = llama_cpp.llama_model_load_from_file(str(self.gguf).encode(), params)
+        self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
         if not self.handle:
             raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
         self._free = llama_cpp.llama_model_free
-        vocab = llama_cpp.llama_model_get_vocab(self.handle)
-        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
+        self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [
             t
-            for t in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab))
-            if 0 <= t < n_vocab
+            for t in (llama_cpp.llama_vocab_eos(vocab_handle), llama_cpp.llama_vocab_eot(vocab_handle))
+            if 0 <= t < self.head_rows
         ]
+        n_vocab = self.head_rows
+        if self.head is not None:
+            n_vocab = head["vocab"]
+            eos = [int(self.head[t]) for t in eos]
         eos = sorted(set(eos))
         self.config = LlamaCppConfig(
             name_or_path=str(self.gguf),
@@ -129,8 +157,9 @@ class LlamaCppModel:
         )
         self.generation_config = LlamaCppGenerationConfig(list(eos))
         self.dtype = _weight_type(llama_cpp, self.handle)
+        self.width = llama_cpp.llama_model_n_embd(self.handle)
         # float16 keys and values (llama.cpp's default cache type) for every layer's KV heads.
-        head_dim = llama_cpp.llama_model_n_embd(self.handle) // llama_cpp.llama_model_n_head(self.handle)
+        head_dim = self.width // llama_cpp.llama_model_n_head(self.handle)
         kv_width = llama_cpp.llama_model_n_head_kv(self.handle) * head_dim
         self.kv_bytes_per_token = 2 * 2 * kv_width * llama_cpp.llama_model_n_layer(self.handle)
         self.version = llama_cpp.__version__
@@ -138,15 +167,48 @@ class LlamaCppModel:
     def describe(self) -> str:
         """What the calibration cache keys on: file, size, weight type, threads, library version."""
         stat = self.gguf.stat()
+        head = f":head{self.head_rows}" if self.head is not None else ""
         return (
-            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.dtype}:"
+            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.dtype}{head}:"
             f"{self.threads}t:{self.version}"
         )
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        """Input embeddings (n, width) of `tokens` for a model with a reduced head: the rows of the full
+        table, dequantized as llama.cpp's own lookup does (float32)."""
+        from gguf.quants import dequantize
+
+        rows = dequantize(self._embedding[tokens], self._embedding_type)
+        return np.ascontiguousarray(rows, dtype=np.float32)
 
     def __del__(self) -> None:
         if getattr(self, "handle", None):
             self._free(self.handle)
             self.handle = None
+
+
+def _reduced_head(gguf: Path, size: int, always: Iterable[int]) -> Path:
+    """The folder of `gguf` with a head of its first `size` ids and `always`, written the first time
+    (`specexec.draft_vocab.write_reduced_head_gguf`) under the cache root."""
+    from specexec.draft_vocab import write_reduced_head_gguf
+    from specexec.models import cache_root
+
+    always = sorted(set(always))
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{size}:{always}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    folder = cache_root() / "draft-heads" / f"{gguf.stem}-{size}-{digest}"
+    if not folder.is_dir():
+        print(f"[writing {gguf.name} with a head of {size} token ids, once: {folder}]", file=sys.stderr)
+        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        write_reduced_head_gguf(gguf, size, always, partial)
+        try:
+            os.replace(partial, folder)
+        except OSError:  # another process wrote it first: keep theirs
+            shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
 def _weight_type(llama_cpp, handle) -> str:
@@ -180,10 +242,11 @@ class LlamaCppRunner:
         self.length = 0
         self.forward_seconds = 0.0
         self.vocab = model.config.vocab_size
-        self.last_token_id = self.vocab - 1
         self.ctx = self._new_context(self.capacity, self.sequences)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        self.batch = llama_cpp.llama_batch_init(BATCH, 0, MAX_SEQUENCES)
+        # A reduced head's model takes embeddings: its own table holds only the head's tokens.
+        embedded = model.width if model.head is not None else 0
+        self.batch = llama_cpp.llama_batch_init(BATCH, embedded, MAX_SEQUENCES)
         self.slots: dict[int, _Slot] = {}
         self._reset_sequences()
 
@@ -202,7 +265,7 @@ class LlamaCppRunner:
         made) and its logits buffer, which llama.cpp reserves for one row per sequence (n_seq_max rows of
         float32: 148 MiB at 256 sequences of a 151,936-token vocabulary; measured, a context's resident
         set is within 10% of this sum)."""
-        logits = self.sequences * self.vocab * 4
+        logits = self.sequences * self.model.head_rows * 4
         return (self.capacity + BATCH) * self.model.kv_bytes_per_token + logits
 
     def reserve(self, slots: int, most: int | None = None) -> None:
@@ -403,14 +466,19 @@ class LlamaCppRunner:
         """llama_decode over the rows, BATCH at a time; logits (len(kept), V) of rows `kept`."""
         llama_cpp, batch = self.llama_cpp, self.batch
         wanted = set(kept)
+        head = self.model.head
         out: list[torch.Tensor] = []
         start = clock(CPU)
         for first in range(0, len(tokens), BATCH):
             count = min(BATCH, len(tokens) - first)
+            if head is not None:
+                inputs = self.model.embed(tokens[first : first + count])  # (count, width)
+                ctypes.memmove(batch.embd, inputs.ctypes.data, inputs.nbytes)
             outputs = 0
             for j in range(count):
                 i = first + j
-                batch.token[j] = tokens[i]
+                if head is None:
+                    batch.token[j] = tokens[i]
                 batch.pos[j] = positions[i]
                 batch.n_seq_id[j] = len(rows[i])
                 for k, sequence in enumerate(rows[i]):
@@ -423,13 +491,16 @@ class LlamaCppRunner:
                 raise LlamaCppError(f"llama_decode failed with status {status} (KV cache full or bad batch)")
             if outputs:
                 logits = np.ctypeslib.as_array(
-                    llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.vocab)
+                    llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.model.head_rows)
                 )
-                out.append(torch.from_numpy(logits.copy()))  # (outputs, V)
+                out.append(torch.from_numpy(logits.copy()))  # (outputs, V')
         self.forward_seconds += clock(CPU) - start
         if not out:
             return torch.empty(0, self.vocab)
         logits = torch.cat(out)  # rows in batch order
+        if head is not None:
+            full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))  # (m, V)
+            logits = full.index_copy_(1, head, logits)
         order = sorted(kept)
         if order == kept:
             return logits

@@ -99,7 +99,7 @@ def load_model(
 
     ``backend`` "llamacpp" loads a GGUF source into llama.cpp instead (`specexec.llamacpp.LlamaCppModel`,
     running on ``threads`` threads); "auto" picks it where `choose_backend` does. The torch backend's
-    options (``dtype``, ``offload``, ``quant``, ``vocab``) are refused there.
+    options (``dtype``, ``offload``, ``quant``) are refused there.
 
     ``source`` is a local Hugging Face model folder (safetensors only), a ``.gguf`` file, or one of
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. GGUF sources are converted once into a bf16 cache folder;
@@ -118,7 +118,6 @@ def load_model(
             (f"dtype {dtype}", dtype is not None),
             ("offloading", offload is not None),
             (f"--quant {quant}", quant != "none"),
-            ("--draft-vocab", bool(vocab)),
         )
         if given
     ]
@@ -126,7 +125,11 @@ def load_model(
         from specexec.llamacpp import LlamaCppError, LlamaCppModel
 
         try:
-            return LlamaCppModel(gguf_file(source), threads)
+            if not vocab:
+                return LlamaCppModel(gguf_file(source), threads)
+            tokenizer = load_tokenizer(source)
+            check_draft_vocab(vocab, len(tokenizer))
+            return LlamaCppModel(gguf_file(source), threads, vocab, always=tokenizer.all_special_ids)
         except LlamaCppError as err:
             raise ModelSourceError(str(err)) from None
 

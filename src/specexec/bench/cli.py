@@ -191,7 +191,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
 
     from specexec.bench.core import DRAFT_METHODS, BenchError, make_configs, run_benchmark
     from specexec.bench.report import machine_info, write_outputs
-    from specexec.cli import backend_label, load_pair
+    from specexec.cli import backend_label, load_draft, load_pair
+    from specexec.draft_vocab import check_draft_vocab
     from specexec.models import load_tokenizer
     from specexec.prompts import load_prompts
 
@@ -206,6 +207,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         width=args.width,
         branches=args.branches,
         quants=args.quant,
+        draft_vocabs=args.draft_vocab,
         ngrams=args.ngram,
         dsl_budgets=args.dsl_budgets,
         llamacpp_spec_budgets=args.llamacpp_spec_budgets,
@@ -215,6 +217,9 @@ def _run(args: argparse.Namespace, command: str) -> int:
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
     if not prompts:
         raise BenchError(f"prompt set {args.prompts!r} has no prompts")
+    for n in args.draft_vocab:
+        if n:
+            check_draft_vocab(n, len(tokenizer))  # before any model loads
     llamacpp = llamacpp_spec = None
     longest = max(len(p.input_ids) for p in prompts)
     if "llamacpp" in args.methods:
@@ -230,8 +235,11 @@ def _run(args: argparse.Namespace, command: str) -> int:
         llamacpp_spec = LlamaCppSpeculative(
             gguf_file(args.target), gguf_file(args.draft), context, args.threads
         )
-    tokenizer, target, draft = load_pair(args, need_draft, quant=args.quant[0])
-    quantized = {level: load_pair(args, need_draft, quant=level)[1:] for level in args.quant[1:]}
+    # The pairs' drafts score the whole vocabulary; each other --draft-vocab value loads a draft of its own.
+    whole = need_draft and 0 in args.draft_vocab
+    tokenizer, target, draft = load_pair(args, whole, quant=args.quant[0], vocab=0)
+    quantized = {level: load_pair(args, whole, quant=level, vocab=0)[1:] for level in args.quant[1:]}
+    drafts = {n: load_draft(args, args.quant[0], n) for n in args.draft_vocab if n and need_draft}
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = run_benchmark(
@@ -250,6 +258,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         progress=not args.no_progress,
         records_path=Path(args.out) / "records.jsonl",  # rewritten in order at the end
         quantized=quantized,
+        drafts=drafts,
         llamacpp=llamacpp,
         llamacpp_spec=llamacpp_spec,
     )

@@ -25,6 +25,7 @@ Timing protocol (same clock, `specexec.runner.clock`, for every method):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -53,6 +54,7 @@ BENCH_METHODS = ENGINE_METHODS + HF_METHODS + EXTERNAL_METHODS
 DEFAULT_METHODS = ENGINE_METHODS + HF_METHODS
 BUDGET_METHODS = ("sd", "dsl", "specinfer", "specexec", "llamacpp-spec")  # the methods a budget applies to
 DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec", "hf-assisted")
+ENGINE_DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec")
 PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
 
 DEFAULT_BUDGETS = (16, 64, 256, 1024, "auto")
@@ -79,6 +81,7 @@ class BenchConfig:
     branches: int | None = None  # specinfer only
     quant: str = "none"  # which loaded pair runs it
     ngram: int | None = None  # specexec only: prompt-lookup tokens grafted per chain (0 = off)
+    draft_vocab: int = 0  # methods with a draft: the token ids it scores (`--draft-vocab`; 0 = all)
 
     def __post_init__(self) -> None:
         if self.method not in BENCH_METHODS:
@@ -87,6 +90,10 @@ class BenchConfig:
             raise BenchError(f"unknown quantization {self.quant!r}; choose from {', '.join(QUANT_MODES)}")
         if self.method in EXTERNAL_METHODS and self.quant != "none":
             raise BenchError(f"method {self.method!r} runs its own GGUF weights; it takes no quantization")
+        if self.draft_vocab and self.method not in ENGINE_DRAFT_METHODS:
+            raise BenchError(f"method {self.method!r} takes no --draft-vocab")
+        if self.draft_vocab < 0:
+            raise BenchError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
         if self.budget == "auto" and self.method not in AUTO_METHODS:
             raise BenchError(f"budget 'auto' is for specexec and dsl only, not {self.method!r}")
         if (
@@ -117,6 +124,7 @@ class BenchConfig:
     def label(self) -> str:
         label = self.method if self.budget is None else f"{self.method}@{self.budget}"
         label += f"+ngram{self.ngram}" if self.ngram else ""
+        label += f"/dv{self.draft_vocab}" if self.draft_vocab else ""
         return label + (f"/{self.quant}" if self.quant != "none" else "")
 
     def as_dict(self) -> dict:
@@ -129,6 +137,7 @@ class BenchConfig:
             "branches": self.branches,
             "quant": self.quant,
             "ngram": self.ngram,
+            "draft_vocab": self.draft_vocab,
         }
 
 
@@ -177,9 +186,11 @@ def make_configs(
     ngrams: Sequence[int] = (0,),
     dsl_budgets: Sequence[int | str] = DEFAULT_DSL_BUDGETS,
     llamacpp_spec_budgets: Sequence[int] = DEFAULT_LLAMACPP_SPEC_BUDGETS,
+    draft_vocabs: Sequence[int] = (0,),
 ) -> list[BenchConfig]:
     """Expand quantization levels x methods x budgets into configurations; `ar` (the reference) is always
-    included, first in each level.
+    included, first in each level. The engine's drafted methods run once per `draft_vocabs` entry (the
+    draft's `--draft-vocab`; 0 = its whole vocabulary), at the first level only when there are several.
 
     sd runs once per `sd_budgets` entry (its draft length), dsl once per `dsl_budgets` entry ("auto" or
     the longest confidence-stopped chain), specinfer once per `specinfer_budgets` entry (default:
@@ -187,12 +198,19 @@ def make_configs(
     once per level; llamacpp runs once and llamacpp-spec once per `llamacpp_spec_budgets` entry (their
     own weights).
     """
-    if not quants or not ngrams:
-        raise BenchError("at least one quantization level and one ngram setting are needed")
+    if not quants or not ngrams or not draft_vocabs:
+        raise BenchError("at least one quantization level, ngram setting and draft vocabulary are needed")
+    if len(set(quants)) > 1 and len(set(draft_vocabs)) > 1:
+        raise BenchError("compare draft vocabularies at one quantization level at a time")
     configs = []
     for quant in dict.fromkeys(quants):
         budget_lists = (budgets, sd_budgets, dsl_budgets, specinfer_budgets, llamacpp_spec_budgets)
-        configs += _level_configs(methods, *budget_lists, expand, width, branches, quant, ngrams)
+        level = _level_configs(methods, *budget_lists, expand, width, branches, quant, ngrams)
+        for config in level:
+            if config.method not in ENGINE_DRAFT_METHODS:
+                configs.append(config)
+                continue
+            configs += [dataclasses.replace(config, draft_vocab=n) for n in dict.fromkeys(draft_vocabs)]
     return list(dict.fromkeys(configs))  # llamacpp, the same at every level, once
 
 
@@ -264,13 +282,15 @@ def run_benchmark(
     progress: bool = True,
     records_path: str | os.PathLike | None = None,
     quantized: Mapping[str, tuple[PreTrainedModel, PreTrainedModel | None]] | None = None,
+    drafts: Mapping[int, PreTrainedModel] | None = None,
     llamacpp=None,
     llamacpp_spec=None,
 ) -> BenchResult:
     """Run every configuration on every prompt (interleaved, after a warm-up) and summarize.
 
     `target`/`draft` run the configurations of their own quantization level; `quantized` maps the other
-    levels to their pairs. `llamacpp` is a `specexec.bench.llamacpp.LlamaCpp` and `llamacpp_spec` a
+    levels to their pairs. A configuration with a `draft_vocab` N > 0 runs `drafts[N]` instead of the
+    pair's draft. `llamacpp` is a `specexec.bench.llamacpp.LlamaCpp` and `llamacpp_spec` a
     `specexec.bench.llamacpp.LlamaCppSpeculative`, for the llamacpp and llamacpp-spec methods.
     `eos_token_id` defaults to `eos_token_ids(target, tokenizer)`; the same ids go to every method.
     `warmup_tokens` = 0 skips the warm-up. `repeats` > 1 runs every (prompt, configuration) pair that many
@@ -284,10 +304,12 @@ def run_benchmark(
     configs = list(configs)
     prompts = list(prompts)
     pairs = {quant_label(target): (target, draft), **(quantized or {})}
+    drafts = dict(drafts or {})
     external = {"llamacpp": llamacpp, "llamacpp-spec": llamacpp_spec}
     _check(
-        pairs, external, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
-    )
+        pairs, drafts, external, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens,
+        repeats,
+    )  # fmt: skip
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     # As in a server: the auto budgets of each configuration keep learning from one prompt to the next.
@@ -301,6 +323,7 @@ def run_benchmark(
                 prompt.input_ids, tokens, prompt_seed, eos, draft_length=config.budget, **sampling
             )
         target, draft = pairs[config.quant]
+        draft = drafts.get(config.draft_vocab, draft)
         if config.method in HF_METHODS:
             return _run_hf(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
         return _run_engine(
@@ -347,13 +370,14 @@ def run_benchmark(
 
 
 def _config_of(record: dict) -> BenchConfig:
-    keys = ("method", "budget", "expand", "width", "branches", "quant", "ngram")
+    keys = ("method", "budget", "expand", "width", "branches", "quant", "ngram", "draft_vocab")
     return BenchConfig(**{k: record[k] for k in keys})
 
 
 def _check(
-    pairs, external, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens, repeats
-) -> None:
+    pairs, drafts, external, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens,
+    repeats,
+) -> None:  # fmt: skip
     if not prompts:
         raise BenchError("no prompts to run")
     if not configs:
@@ -384,9 +408,16 @@ def _check(
     if hf and on_llamacpp:
         raise BenchError(f"{hf[0]} runs Hugging Face models; load the pair with --backend torch")
     for quant, (_, draft) in pairs.items():
-        needs_draft = sorted({c.method for c in configs if c.method in DRAFT_METHODS and c.quant == quant})
+        on_pair = [c for c in configs if c.quant == quant and not c.draft_vocab]
+        needs_draft = sorted({c.method for c in on_pair if c.method in DRAFT_METHODS})
         if draft is None and needs_draft:
             raise BenchError(f"method(s) {', '.join(needs_draft)} need a draft model")
+    vocabs = sorted({c.draft_vocab for c in configs if c.draft_vocab} - set(drafts))
+    if vocabs:
+        raise BenchError(f"no draft with --draft-vocab {vocabs[0]} was loaded")
+    main_level = quant_label(next(iter(pairs.values()))[0])
+    if any(c.draft_vocab and c.quant != main_level for c in configs):
+        raise BenchError(f"configurations with a --draft-vocab run at the {main_level} level only")
     target = next(iter(pairs.values()))[0]
     empty = [p.id for p in prompts if not p.input_ids]
     if empty:

@@ -44,7 +44,7 @@ _SUMS = (
     "draft_seconds",
     "target_seconds",
 )
-_CONFIG_KEYS = ("label", "method", "budget", "expand", "width", "branches", "quant", "ngram")
+_CONFIG_KEYS = ("label", "method", "budget", "expand", "width", "branches", "quant", "ngram", "draft_vocab")
 _SETTING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 
@@ -73,6 +73,7 @@ def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
     first = group[0]
     row: dict = {k: first.get(k) for k in _CONFIG_KEYS + _SETTING_KEYS}
     row["quant"] = row["quant"] or "none"
+    row["draft_vocab"] = row["draft_vocab"] or 0  # records written before the field existed
     row["prompts"] = len({r["prompt_index"] for r in group})
     row["repeats"] = 1 + max(r.get("repeat", 0) for r in group)
     for key in _SUMS:
@@ -303,6 +304,8 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "(prompt only). Tree size = candidates per verification.",
         "- identical to ar (greedy only): yes when every prompt's output equals ar's; otherwise the number "
         "of identical prompts and the mean common-prefix fraction (common prefix / longer output).",
+        "- A label ending in /dvN: the draft scores only its first N token ids and its special tokens "
+        "(`--draft-vocab N`).",
     ]
     if plots:
         lines += ["", "![tokens per step](tokens_per_step.png)", "", "![tok/s](tok_per_s.png)"]
