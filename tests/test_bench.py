@@ -241,6 +241,16 @@ def test_repeats_time_the_same_runs_again(target, draft, tokenizer, prompts, tmp
         assert row["new_tokens"] == 3 * once["new_tokens"] and row["target_calls"] == 3 * once["target_calls"]
         assert row["tokens_per_step"] == once["tokens_per_step"]
         assert row["identical_to_ar"] is True
+    # A stall in one repeat: the totals slow down, the faster-repeat figure keeps the other repeats.
+    stalled = [{**r, "decode_seconds": r["decode_seconds"] + 10.0 * (r["repeat"] == 1)} for r in live]
+    fastest = {}
+    for r in stalled:
+        key = (r["label"], r["prompt_index"])
+        fastest[key] = min(fastest.get(key, r["decode_seconds"]), r["decode_seconds"])
+    for row in summarize(stalled):
+        seconds = sum(t for (label, _), t in fastest.items() if label == row["label"])
+        assert row["tok_per_s_faster_repeat"] == pytest.approx(row["new_tokens"] / 3 / seconds)
+        assert row["tok_per_s"] < row["tok_per_s_faster_repeat"]
     with pytest.raises(BenchError, match="repeats must be >= 1"):
         run_benchmark(target, draft, tokenizer, prompts[:1], configs, repeats=0, progress=False)
 
@@ -492,6 +502,16 @@ def test_draft_vocabularies_compared_in_one_run(model_dirs, prompt_file: Path, t
     assert all(row["identical_to_ar"] for row in rows.values())
     # Another draft really ran: it cannot propose ids >= 64, so it agrees with the target less often.
     assert rows["sd@3/dv64"]["tokens_per_step"] < rows["sd@3"]["tokens_per_step"]
+
+
+def test_draft_vocab_auto_is_a_smaller_head_for_llamacpp_drafts_only() -> None:
+    from specexec.cli import draft_vocab
+    from specexec.draft_vocab import LLAMACPP_DRAFT_VOCAB
+
+    assert draft_vocab("auto", "llamacpp", 151_936) == LLAMACPP_DRAFT_VOCAB
+    assert draft_vocab("auto", "llamacpp", 32_000) == 0  # nothing to cut
+    assert draft_vocab("auto", "torch", 151_936) == 0
+    assert draft_vocab(0, "llamacpp", 151_936) == 0 and draft_vocab(500, "torch", 151_936) == 500
 
 
 class FakeLlamaCpp:

@@ -191,13 +191,22 @@ def _run(args: argparse.Namespace, command: str) -> int:
 
     from specexec.bench.core import DRAFT_METHODS, BenchError, make_configs, run_benchmark
     from specexec.bench.report import machine_info, write_outputs
-    from specexec.cli import backend_label, load_draft, load_pair
+    from specexec.cli import backend_label, draft_backend, draft_vocab, load_draft, load_pair
     from specexec.draft_vocab import check_draft_vocab
     from specexec.models import load_tokenizer
     from specexec.prompts import load_prompts
 
     if importlib.util.find_spec("matplotlib") is None:
         raise BenchError("the plots need matplotlib: pip install 'specexec[bench]'")
+    tokenizer = load_tokenizer(args.target)
+    need_draft = any(method in DRAFT_METHODS for method in args.methods)
+    vocabs = [0]
+    if need_draft:
+        backend = draft_backend(args, args.quant[0])
+        vocabs = list(dict.fromkeys(draft_vocab(v, backend, len(tokenizer)) for v in args.draft_vocab))
+        for n in vocabs:
+            if n:
+                check_draft_vocab(n, len(tokenizer))  # before any model loads
     configs = make_configs(
         args.methods,
         args.budgets,
@@ -207,19 +216,14 @@ def _run(args: argparse.Namespace, command: str) -> int:
         width=args.width,
         branches=args.branches,
         quants=args.quant,
-        draft_vocabs=args.draft_vocab,
+        draft_vocabs=vocabs,
         ngrams=args.ngram,
         dsl_budgets=args.dsl_budgets,
         llamacpp_spec_budgets=args.llamacpp_spec_budgets,
     )
-    need_draft = any(c.method in DRAFT_METHODS for c in configs)
-    tokenizer = load_tokenizer(args.target)
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
     if not prompts:
         raise BenchError(f"prompt set {args.prompts!r} has no prompts")
-    for n in args.draft_vocab:
-        if n:
-            check_draft_vocab(n, len(tokenizer))  # before any model loads
     llamacpp = llamacpp_spec = None
     longest = max(len(p.input_ids) for p in prompts)
     if "llamacpp" in args.methods:
@@ -235,11 +239,12 @@ def _run(args: argparse.Namespace, command: str) -> int:
         llamacpp_spec = LlamaCppSpeculative(
             gguf_file(args.target), gguf_file(args.draft), context, args.threads
         )
-    # The pairs' drafts score the whole vocabulary; each other --draft-vocab value loads a draft of its own.
-    whole = need_draft and 0 in args.draft_vocab
-    tokenizer, target, draft = load_pair(args, whole, quant=args.quant[0], vocab=0)
-    quantized = {level: load_pair(args, whole, quant=level, vocab=0)[1:] for level in args.quant[1:]}
-    drafts = {n: load_draft(args, args.quant[0], n) for n in args.draft_vocab if n and need_draft}
+    # The pairs' drafts score the first --draft-vocab value; each other value loads a draft of its own.
+    tokenizer, target, draft = load_pair(args, need_draft, quant=args.quant[0], vocab=vocabs[0])
+    quantized = {
+        level: load_pair(args, need_draft, quant=level, vocab=vocabs[0])[1:] for level in args.quant[1:]
+    }
+    drafts = {n: load_draft(args, args.quant[0], n) for n in vocabs[1:]} if need_draft else {}
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = run_benchmark(

@@ -289,9 +289,10 @@ def run_benchmark(
     """Run every configuration on every prompt (interleaved, after a warm-up) and summarize.
 
     `target`/`draft` run the configurations of their own quantization level; `quantized` maps the other
-    levels to their pairs. A configuration with a `draft_vocab` N > 0 runs `drafts[N]` instead of the
-    pair's draft. `llamacpp` is a `specexec.bench.llamacpp.LlamaCpp` and `llamacpp_spec` a
-    `specexec.bench.llamacpp.LlamaCppSpeculative`, for the llamacpp and llamacpp-spec methods.
+    levels to their pairs. A configuration whose `draft_vocab` N is in `drafts` runs `drafts[N]` instead of
+    its pair's draft (the pairs' drafts serve the one other value). `llamacpp` is a
+    `specexec.bench.llamacpp.LlamaCpp` and `llamacpp_spec` a `specexec.bench.llamacpp.LlamaCppSpeculative`,
+    for the llamacpp and llamacpp-spec methods.
     `eos_token_id` defaults to `eos_token_ids(target, tokenizer)`; the same ids go to every method.
     `warmup_tokens` = 0 skips the warm-up. `repeats` > 1 runs every (prompt, configuration) pair that many
     times with the same seed, so the same tokens, timed again: repeat r goes through the prompts again
@@ -408,16 +409,16 @@ def _check(
     if hf and on_llamacpp:
         raise BenchError(f"{hf[0]} runs Hugging Face models; load the pair with --backend torch")
     for quant, (_, draft) in pairs.items():
-        on_pair = [c for c in configs if c.quant == quant and not c.draft_vocab]
+        on_pair = [c for c in configs if c.quant == quant and c.draft_vocab not in drafts]
         needs_draft = sorted({c.method for c in on_pair if c.method in DRAFT_METHODS})
         if draft is None and needs_draft:
             raise BenchError(f"method(s) {', '.join(needs_draft)} need a draft model")
-    vocabs = sorted({c.draft_vocab for c in configs if c.draft_vocab} - set(drafts))
-    if vocabs:
-        raise BenchError(f"no draft with --draft-vocab {vocabs[0]} was loaded")
+    on_pairs = sorted({c.draft_vocab for c in configs if c.method in DRAFT_METHODS} - set(drafts))
+    if len(on_pairs) > 1:
+        raise BenchError(f"no draft with --draft-vocab {on_pairs[-1]} was loaded")
     main_level = quant_label(next(iter(pairs.values()))[0])
-    if any(c.draft_vocab and c.quant != main_level for c in configs):
-        raise BenchError(f"configurations with a --draft-vocab run at the {main_level} level only")
+    if any(c.draft_vocab in drafts and c.quant != main_level for c in configs):
+        raise BenchError(f"drafts of other vocabularies run at the {main_level} level only")
     target = next(iter(pairs.values()))[0]
     empty = [p.id for p in prompts if not p.input_ids]
     if empty:
