@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -447,6 +448,39 @@ def test_learnt_policies_carry_what_one_generation_learnt_into_the_next(models) 
         assert again.tokens == fresh.tokens == first.tokens
         assert fresh.stats.draft_calls == first.stats.draft_calls > 0
         assert again.stats.draft_calls < fresh.stats.draft_calls / 2, method
+
+
+def test_saved_policies_start_a_new_process_where_the_last_one_stopped(models, tmp_path: Path) -> None:
+    """`save` then a new `LearntPolicies` on the same file (what one `specexec generate` after another
+    does): the second starts from what the first learnt; a damaged or foreign file starts fresh."""
+    target, _, prompt = models
+    wrong = tiny(5)
+    cost = CostModel({1: 0.1, 4: 0.11, 16: 0.2}, {1: 0.02, 16: 0.05})
+    path = tmp_path / "learnt" / "pair.json"
+
+    def run(learnt):
+        return specexec.generate(
+            target, wrong, prompt, method="specexec", budget="auto", cost_model=cost, max_new_tokens=48,
+            learnt=learnt,
+        )  # fmt: skip
+
+    first = specexec.LearntPolicies(path)
+    fresh = run(first)
+    first.save()
+    again = run(specexec.LearntPolicies(path))
+    assert again.tokens == fresh.tokens
+    assert again.stats.draft_calls < fresh.stats.draft_calls / 2
+    path.write_text("{not json")
+    assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
+    path.write_text('{"format": 0, "policies": {}}')
+    assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
+    other = CostModel({1: 0.1, 4: 0.12, 16: 0.2}, {1: 0.02, 16: 0.05})  # another calibration: not its state
+    first.save()
+    out = specexec.generate(
+        target, wrong, prompt, method="specexec", budget="auto", cost_model=other, max_new_tokens=48,
+        learnt=specexec.LearntPolicies(path),
+    )  # fmt: skip
+    assert out.stats.draft_calls > again.stats.draft_calls
 
 
 def test_learnt_rates_follow_the_last_observations() -> None:

@@ -532,6 +532,10 @@ def test_generate_command_runs_on_llamacpp_and_names_the_backend(tokenized_gguf:
     err = capsys.readouterr().err
     assert "[specexec, llamacpp] 6 tokens" in err
     assert not (tokenized_gguf.parent / "cache" / "tiny").exists()  # the weights were not converted
+    learnt = tokenized_gguf.parent / "cache" / "learnt"
+    assert not learnt.exists()  # a fixed budget learns nothing
+    assert main([*args, "--budget", "auto", "--max-new-tokens", "6", "ab a"]) == 0
+    assert len(list(learnt.glob("*.json"))) == 1  # what the auto budget learnt, for the next run
     assert main([*args, "--backend", "torch", "--method", "ar", "--max-new-tokens", "6", "ab a"]) == 0
     assert "[ar, torch] 6 tokens" in capsys.readouterr().err
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -166,6 +167,13 @@ class AcceptanceModel:
     def _bin(self, q: torch.Tensor) -> torch.Tensor:
         return (q.float() * self.BINS).long().clamp(0, self.BINS - 1).cpu()
 
+    def state(self) -> dict:
+        return {"accepted": self.accepted.tolist(), "tried": self.tried.tolist()}
+
+    def restore(self, state: dict) -> None:
+        self.accepted = torch.tensor(state["accepted"], dtype=self.accepted.dtype)
+        self.tried = torch.tensor(state["tried"], dtype=self.tried.dtype)
+
 
 class SpeculationGate:
     """Turns drafting off for a while when drafted steps have been slower than plain decoding would be,
@@ -222,6 +230,14 @@ class SpeculationGate:
             self.paused, self.pause = self.pause, min(2 * self.pause, 64)
         else:
             self.pause = self.first_pause
+
+    def state(self) -> dict:
+        """λ and the pause (a window in progress is not kept)."""
+        return {"tokens": self.tokens, "seconds": self.seconds, "pause": self.pause, "paused": self.paused}
+
+    def restore(self, state: dict) -> None:
+        self.tokens, self.seconds = float(state["tokens"]), float(state["seconds"])
+        self.pause, self.paused = int(state["pause"]), int(state["paused"])
 
 
 def chain_seconds(cost: CostModel, max_length: int) -> list[float]:
@@ -413,22 +429,64 @@ class LearntPolicies:
     probabilities and an open gate, and does not pay again to find out that drafting loses on this
     kind of text (measured on MT-Bench, docs/benchmarks.md). One policy per model pair, method, sampling
     rule and cost model; generations sharing one must not run at the same time.
+
+    With `path` (one file per model pair: `persisted_policies`), policies start from what `save` last
+    wrote there, so a new process (one `specexec generate`) starts where the last one stopped. A file
+    that cannot be read is ignored: the policies then start fresh.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
         self._policies: dict[tuple, AutoBudget | ChainCostStop] = {}
+        self.path = Path(path) if path is not None else None
+        self._saved: dict[str, dict] = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("format") == LEARNT_FORMAT:
+                    self._saved = dict(data["policies"])
+            except (OSError, ValueError, KeyError, AttributeError, TypeError):
+                self._saved = {}
 
-    def get(self, key: tuple, make: Callable[[], Policy]) -> Policy:
-        """The policy kept under `key`, made by `make()` the first time."""
+    def get(self, pair: tuple, setting: tuple, make: Callable[[], Policy]) -> Policy:
+        """The policy kept for `pair` (the models' identities in this process) and `setting` (method,
+        sampling, cost model: what a saved policy is found by), made by `make()` the first time."""
+        key = (pair, setting)
         if key not in self._policies:
-            self._policies[key] = make()
+            policy = make()
+            saved = self._saved.get(repr(setting))
+            if saved is not None:
+                policy.acceptance.restore(saved["acceptance"])
+                policy.gate.restore(saved["gate"])
+            self._policies[key] = policy
         return self._policies[key]  # type: ignore[return-value]
+
+    def save(self) -> None:
+        """Write every policy's state to `path` (atomically; settings not used here are kept)."""
+        if self.path is None or not self._policies:
+            return
+        states = dict(self._saved)
+        for (_, setting), policy in self._policies.items():
+            states[repr(setting)] = {"acceptance": policy.acceptance.state(), "gate": policy.gate.state()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps({"format": LEARNT_FORMAT, "policies": states}))
+        os.replace(partial, self.path)
+        self._saved = states
+
+
+def persisted_policies(target: PreTrainedModel, draft: PreTrainedModel) -> LearntPolicies:
+    """The `LearntPolicies` of this pair on this machine, kept on disk beside its calibration."""
+    from specexec.offload import offload_label
+
+    calibration = _calibration_path(target, draft, offload_label(target))
+    return LearntPolicies(calibration.parent.parent / "learnt" / calibration.name)
 
 
 # What the auto policies remember when they live across generations (`LearntPolicies`): per acceptance
 # bin, the last this many verified tokens; for λ, the last this many tokens of drafted steps.
 ACCEPTANCE_MEMORY = 256
 RATE_MEMORY = 512
+LEARNT_FORMAT = 1  # a saved `LearntPolicies` file of another format is ignored
 
 # Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)

@@ -351,6 +351,7 @@ def backend_label(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from specexec.budget import persisted_policies
     from specexec.engine import GenerationError, stream
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -362,6 +363,8 @@ def _generate(args: argparse.Namespace) -> int:
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
     input_ids = tokenizer(prompt, add_special_tokens=not args.chat)["input_ids"]
+    # What --budget auto learns (acceptance rates, whether drafting pays) carries over to the next run.
+    learnt = persisted_policies(target, draft) if draft is not None else None
     printed = ""
     tokens: list[int] = []
     start = time.perf_counter()
@@ -381,6 +384,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop_strings=args.stop,
         tokenizer=tokenizer,
+        learnt=learnt,
     ):
         tokens += chunk.tokens
         text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -390,6 +394,8 @@ def _generate(args: argparse.Namespace) -> int:
             printed = text
     sys.stdout.write(tokenizer.decode(tokens, skip_special_tokens=True)[len(printed) :] + "\n")
     elapsed = time.perf_counter() - start
+    if learnt is not None:
+        learnt.save()
     stats = chunk.stats
     simulated = f"[{args.simulated}] " if args.simulated else ""
     print(

@@ -200,8 +200,11 @@ def stream(
             if method == "dsl"
             else (lambda: AutoBudget(cost, max_budget=max_budget))
         )
-        key = (id(target), id(draft), method, max_budget, temperature, top_k, top_p, cost.fingerprint())
-        policy = learnt.get(key, make) if learnt is not None else make()
+        if learnt is not None:
+            setting = (method, max_budget, temperature, top_k, top_p, cost.fingerprint())
+            policy = learnt.get((id(target), id(draft)), setting, make)
+        else:
+            policy = make()
         if method == "dsl":
             budget, cost_stop = DSL_MAX_LENGTH, policy
             cost_stop.start()  # a chain cut short by the last generation's end is not this one's
