@@ -382,6 +382,23 @@ def test_a_reduced_head_is_written_once(reduced, monkeypatch) -> None:
     assert torch.equal(again.head, first.head)
 
 
+def test_a_head_that_cannot_be_cut_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "no-embedding.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("output.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(LlamaCppError, match="cannot write no-embedding.gguf with a smaller head"):
+        LlamaCppModel(path, threads=1, vocab=4)
+    assert not list((tmp_path / "cache" / "draft-heads").iterdir())  # nothing half-written
+
+
 @pytest.mark.parametrize("kind", ["target", "perturbed"])
 def test_every_method_is_exact_with_a_reduced_head_draft(model, reduced, kind: str) -> None:
     target, draft = model("qwen2", "q8_0"), reduced("qwen2", "q8_0", kind)[1]

@@ -203,10 +203,15 @@ def _reduced_head(gguf: Path, size: int, always: Iterable[int]) -> Path:
         partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        write_reduced_head_gguf(gguf, size, always, partial)
         try:
+            write_reduced_head_gguf(gguf, size, always, partial)
             os.replace(partial, folder)
-        except OSError:  # another process wrote it first: keep theirs
+        except (KeyError, ValueError) as err:  # not a layout the copy knows (no token embedding, ...)
+            raise LlamaCppError(f"cannot write {gguf.name} with a smaller head: {err!r}") from None
+        except OSError:
+            if not folder.is_dir():
+                raise
+        finally:  # another process wrote it first, or this one failed: nothing half-written stays
             shutil.rmtree(partial, ignore_errors=True)
     return folder
 
