@@ -66,6 +66,26 @@ def test_real_pair_greedy_equals_the_backends_own(pair, method: str, budget) -> 
             assert out.stats.tokens_per_step > 1.5, (method, out.stats.tokens_per_step)
 
 
+def test_a_smaller_draft_head_scores_its_ids_as_the_whole_draft_does(pair) -> None:
+    """`--draft-vocab 64000`'s draft (a copy with a smaller head, inputs fed as embeddings): its kept
+    logits are the whole draft's bit for bit, and specexec with it stays on the backend's greedy path."""
+    from specexec.llamacpp import LlamaCppRunner
+
+    target, draft, prompts, eos, references = pair
+    small = load_model(DEFAULT_DRAFT, backend="llamacpp", vocab=64000)
+    ids = torch.tensor(prompts[0].input_ids)
+    whole = LlamaCppRunner(draft, len(ids) + 8, trees=False).extend(ids, 8)  # (8, V)
+    cut = LlamaCppRunner(small, len(ids) + 8, trees=False).extend(ids, 8)
+    assert torch.equal(cut[:, small.head], whole[:, small.head])
+    for prompt, reference in zip(prompts, references, strict=True):
+        out = specexec.generate(
+            target, small, prompt.input_ids, method="specexec", budget=16, max_new_tokens=NEW_TOKENS,
+            eos_token_id=eos,
+        )  # fmt: skip
+        assert_same_up_to_near_ties(target, prompt.input_ids, reference, out.tokens)
+        assert out.stats.tokens_per_step > 1.5, out.stats.tokens_per_step
+
+
 def assert_same_up_to_near_ties(target, prompt: list[int], reference: list[int], tokens: list[int]) -> None:
     first = next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None)
     if first is None:
