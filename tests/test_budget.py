@@ -474,6 +474,12 @@ def test_saved_policies_start_a_new_process_where_the_last_one_stopped(models, t
     assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
     path.write_text('{"format": 0, "policies": {}}')
     assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
+    first.save()
+    damaged = json.loads(path.read_text())
+    for state in damaged["policies"].values():
+        state["acceptance"]["tried"] = state["acceptance"]["tried"][:3]
+    path.write_text(json.dumps(damaged))
+    assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
     other = CostModel({1: 0.1, 4: 0.12, 16: 0.2}, {1: 0.02, 16: 0.05})  # another calibration: not its state
     first.save()
     out = specexec.generate(

@@ -171,8 +171,11 @@ class AcceptanceModel:
         return {"accepted": self.accepted.tolist(), "tried": self.tried.tolist()}
 
     def restore(self, state: dict) -> None:
-        self.accepted = torch.tensor(state["accepted"], dtype=self.accepted.dtype)
-        self.tried = torch.tensor(state["tried"], dtype=self.tried.dtype)
+        accepted = torch.tensor(state["accepted"], dtype=self.accepted.dtype)
+        tried = torch.tensor(state["tried"], dtype=self.tried.dtype)
+        if accepted.shape != (self.BINS,) or tried.shape != (self.BINS,) or bool((tried <= 0).any()):
+            raise ValueError("not an acceptance state of this model")
+        self.accepted, self.tried = accepted, tried
 
 
 class SpeculationGate:
@@ -236,8 +239,11 @@ class SpeculationGate:
         return {"tokens": self.tokens, "seconds": self.seconds, "pause": self.pause, "paused": self.paused}
 
     def restore(self, state: dict) -> None:
-        self.tokens, self.seconds = float(state["tokens"]), float(state["seconds"])
-        self.pause, self.paused = int(state["pause"]), int(state["paused"])
+        tokens, seconds = float(state["tokens"]), float(state["seconds"])
+        pause, paused = int(state["pause"]), int(state["paused"])
+        if not (tokens > 0 and seconds > 0 and pause >= 1 and paused >= 0):
+            raise ValueError("not a gate state")
+        self.tokens, self.seconds, self.pause, self.paused = tokens, seconds, pause, paused
 
 
 def chain_seconds(cost: CostModel, max_length: int) -> list[float]:
@@ -455,8 +461,11 @@ class LearntPolicies:
             policy = make()
             saved = self._saved.get(repr(setting))
             if saved is not None:
-                policy.acceptance.restore(saved["acceptance"])
-                policy.gate.restore(saved["gate"])
+                try:
+                    policy.acceptance.restore(saved["acceptance"])
+                    policy.gate.restore(saved["gate"])
+                except (KeyError, TypeError, ValueError):  # a damaged entry: start fresh
+                    policy = make()
             self._policies[key] = policy
         return self._policies[key]  # type: ignore[return-value]
 
