@@ -305,27 +305,18 @@ def load_draft(args: argparse.Namespace, quant: str, vocab: int):
     `vocab` token ids (0 = all); its backend is recorded in `args.backends`."""
     import torch
 
-    from specexec.models import check_same_vocab, default_dtype, load_model, load_tokenizer
-
-    backend = draft_backend(args, quant)
-    args.backends["draft"] = backend
-    tokenizer = load_tokenizer(args.draft)
-    check_same_vocab(load_tokenizer(args.target), tokenizer)
-    dtype = (getattr(torch, args.dtype) if args.dtype else default_dtype()) if backend == "torch" else None
-    draft_quant = args.draft_quant or quant
-    return load_model(
-        args.draft, dtype, quant=draft_quant, vocab=vocab, backend=backend, threads=args.threads
-    )
-
-
-def draft_backend(args: argparse.Namespace, quant: str) -> str:
-    """The backend the draft runs on at quantization level `quant`."""
-    from specexec.models import choose_backend
+    from specexec.models import check_same_vocab, choose_backend, default_dtype, load_model, load_tokenizer
 
     draft_quant = args.draft_quant or quant
     torch_only = [f"--dtype {args.dtype}"] if args.dtype else []
     torch_only += [f"--quant {draft_quant}"] if draft_quant != "none" else []
-    return choose_backend(args.draft_backend or args.backend, args.draft, torch_only)
+    backend = choose_backend(args.draft_backend or args.backend, args.draft, torch_only)
+    args.backends["draft"] = backend
+    check_same_vocab(load_tokenizer(args.target), load_tokenizer(args.draft))
+    dtype = (getattr(torch, args.dtype) if args.dtype else default_dtype()) if backend == "torch" else None
+    return load_model(
+        args.draft, dtype, quant=draft_quant, vocab=vocab, backend=backend, threads=args.threads
+    )
 
 
 def backend_label(args: argparse.Namespace) -> str:

@@ -49,9 +49,13 @@ class ReducedHead(nn.Module):
                 self.linear.bias.copy_(head.bias[kept])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.linear(x)  # (..., V')
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))  # (..., V)
-        return full.index_copy_(-1, self.kept, logits)
+        return full_vocab_logits(self.linear(x), self.kept, self.vocab_size)
+
+
+def full_vocab_logits(logits: torch.Tensor, kept: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits (..., V') of the ids `kept` as rows over the whole vocabulary (..., `vocab`), -inf elsewhere."""
+    full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))  # (..., V)
+    return full.index_copy_(-1, kept, logits)
 
 
 def restrict_draft_vocab(

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specexec.draft_vocab import full_vocab_logits
 from specexec.runner import clock, grown_capacity
 
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
@@ -504,8 +505,7 @@ class LlamaCppRunner:
             return torch.empty(0, self.vocab)
         logits = torch.cat(out)  # rows in batch order
         if head is not None:
-            full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))  # (m, V)
-            logits = full.index_copy_(1, head, logits)
+            logits = full_vocab_logits(logits, head, self.vocab)  # (m, V)
         order = sorted(kept)
         if order == kept:
             return logits
