@@ -404,20 +404,45 @@ def test_calibration_keeps_a_batch_that_costs_less_than_a_smaller_one(models, mo
     assert policy.best_size(torch.tensor([0.9, 0.8, 0.7]), draft_seconds=0.0)[0] == 3
 
 
-def test_speculation_gate_pauses_drafting_that_loses_and_backs_off() -> None:
-    from specexec.budget import SpeculationGate
+def test_speculation_gate_backs_off_fast_where_drafting_has_been_losing() -> None:
+    from specexec.budget import LOSING_MAX_PAUSE, SpeculationGate
 
     gate = SpeculationGate(CostModel({1: 0.1, 64: 0.2}, {1: 0.05, 64: 0.1}), window=2, pause=2)
     for _ in range(2):
         assert gate.allows()
         gate.record(tokens=1, seconds=0.15)  # 6.7 tok/s drafted < 10 tok/s plain
+    assert gate.rate < gate.plain_rate
+    assert [gate.allows() for _ in range(3)] == [False, False, True]
+    gate.record(1, 0.15)
+    gate.record(1, 0.15)
+    assert [gate.allows() for _ in range(9)] == [False] * 8 + [True]  # the pause grew fourfold
+    gate.record(2, 0.15)
+    gate.record(2, 0.15)  # a winning window (13 tok/s), but λ is still below plain decoding's rate
+    assert gate.rate < gate.plain_rate and gate.pause == 16  # halved, not reset
+    for _ in range(8):
+        gate.record(1, 0.15)
+    assert gate.pause == LOSING_MAX_PAUSE
+
+
+def test_speculation_gate_forgives_a_losing_window_where_drafting_has_been_paying() -> None:
+    from specexec.budget import PAYING_MAX_PAUSE, SpeculationGate
+
+    gate = SpeculationGate(CostModel({1: 0.1, 64: 0.2}, {1: 0.05, 64: 0.1}), window=2, pause=2)
+    for _ in range(10):
+        gate.record(3, 0.15)  # 20 tok/s
+    gate.record(1, 0.15)
+    gate.record(1, 0.15)  # a losing window
+    assert gate.rate > gate.plain_rate
     assert [gate.allows() for _ in range(3)] == [False, False, True]
     gate.record(1, 0.15)
     gate.record(1, 0.15)
     assert [gate.allows() for _ in range(5)] == [False] * 4 + [True]  # the pause doubled
     gate.record(3, 0.15)
-    gate.record(3, 0.15)  # 20 tok/s: drafting pays again
+    gate.record(3, 0.15)  # drafting pays again
     assert gate.allows() and gate.pause == 2
+    for _ in range(12):
+        gate.record(1, 0.12)  # 8.3 tok/s: losing, while λ stays above plain decoding's rate
+    assert gate.rate > gate.plain_rate and gate.pause == PAYING_MAX_PAUSE
 
 
 def test_auto_methods_stop_drafting_where_it_cannot_pay_and_stay_exact(models, reference) -> None:
@@ -535,6 +560,35 @@ def test_auto_methods_skip_the_draft_pass_where_no_chain_can_pay(models, referen
         assert draft_forwards == []
         # The negative control: where drafting pays, the draft model runs.
         assert auto_generate(models, "specexec", FLAT).stats.draft_calls > 0 and draft_forwards
+    finally:
+        hook.remove()
+
+
+def test_a_generation_that_starts_in_a_pause_does_not_run_the_draft(models, reference) -> None:
+    """A pause carried over from earlier generations (`LearntPolicies`) that outlasts this one: the draft
+    model is not even prefilled. When the pause ends mid-generation, the draft catches up then."""
+    target, draft, prompt = models
+    draft_forwards: list[int] = []
+    hook = draft.get_input_embeddings().register_forward_hook(lambda *_: draft_forwards.append(1))
+    try:
+        for method in ("specexec", "dsl"):
+            learnt = specexec.LearntPolicies()
+
+            def run(learnt=learnt, method=method):
+                return specexec.generate(
+                    target, draft, prompt, method=method, budget="auto", cost_model=FLAT, max_new_tokens=48,
+                    learnt=learnt,
+                )  # fmt: skip
+
+            assert run().stats.draft_calls > 0  # drafting pays here
+            (policy,) = learnt._policies.values()
+            for paused, drafts in ((100, False), (10, True)):
+                policy.gate.paused, policy.gate.history = paused, []
+                draft_forwards.clear()
+                out = run()
+                assert out.tokens == reference
+                assert bool(out.stats.draft_calls) == bool(draft_forwards) == drafts, (method, paused)
+                assert not any(out.stats.tree_sizes[:paused])
     finally:
         hook.remove()
 

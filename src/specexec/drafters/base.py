@@ -62,8 +62,10 @@ class DrafterBase:
     max_tree_size: int
 
     def may_draft(self) -> bool:
-        """Whether this drafter expects to draft at all now; if not, the engine does not prefill the draft
-        model (it catches up on the committed tokens when it first drafts)."""
+        """Whether this drafter expects to draft now; if not, the engine does not prefill the draft model
+        (it catches up on the committed tokens when it first drafts). An auto budget does not while it
+        finds that drafting cannot pay, or while its gate pauses drafting: a generation that starts in a
+        pause carried over from earlier ones (`LearntPolicies`) may end before the draft is needed."""
         return True
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:

@@ -44,7 +44,7 @@ class BestFirstDrafter(DrafterBase):
         self.max_tree_size = budget + 1 + self.expand * self.width + 2 * ngram
 
     def may_draft(self) -> bool:
-        return self.policy is None or self.policy.worth_drafting()
+        return self.policy is None or (not self.policy.gate.paused and self.policy.worth_drafting())
 
     def propose(self, request: DraftRequest) -> Draft:
         drafting = request.max_depth >= 1 and (

@@ -66,7 +66,7 @@ class ChainDrafter(DrafterBase):
         return draft
 
     def may_draft(self) -> bool:
-        return self.cost_stop is None or self.cost_stop.worth_drafting()
+        return self.cost_stop is None or (not self.cost_stop.gate.paused and self.cost_stop.worth_drafting())
 
     def drafts_now(self) -> bool:
         """Whether this step drafts at all (the cost stop may pause drafting, or find it cannot pay)."""
