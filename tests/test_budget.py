@@ -566,10 +566,13 @@ def test_auto_methods_skip_the_draft_pass_where_no_chain_can_pay(models, referen
 
 def test_a_generation_that_starts_in_a_pause_does_not_run_the_draft(models, reference) -> None:
     """A pause carried over from earlier generations (`LearntPolicies`) that outlasts this one: the draft
-    model is not even prefilled. When the pause ends mid-generation, the draft catches up then."""
+    model is not even prefilled. One that ends within it: the draft is prefilled with the prompt as
+    usual, not made to catch up on everything inside decoding."""
     target, draft, prompt = models
-    draft_forwards: list[int] = []
-    hook = draft.get_input_embeddings().register_forward_hook(lambda *_: draft_forwards.append(1))
+    draft_forwards: list[int] = []  # tokens per draft forward
+    hook = draft.get_input_embeddings().register_forward_hook(
+        lambda _, args, __: draft_forwards.append(args[0].shape[-1])
+    )
     try:
         for method in ("specexec", "dsl"):
             learnt = specexec.LearntPolicies()
@@ -589,6 +592,8 @@ def test_a_generation_that_starts_in_a_pause_does_not_run_the_draft(models, refe
                 assert out.tokens == reference
                 assert bool(out.stats.draft_calls) == bool(draft_forwards) == drafts, (method, paused)
                 assert not any(out.stats.tree_sizes[:paused])
+                if drafts:
+                    assert draft_forwards[0] == len(prompt) - 1  # the prompt's prefill
     finally:
         hook.remove()
 

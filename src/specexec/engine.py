@@ -251,7 +251,7 @@ def stream(
     stats = Stats(method=method, prompt_tokens=prompt.numel())
     prompt_list = prompt.tolist()
     pair_draft = draft if method != "ar" else None
-    drafting = pair_draft is not None and drafter.may_draft()
+    drafting = pair_draft is not None and drafter.may_draft(steps=max_new_tokens)
     reused = prefix_cache.take(target, pair_draft, prompt_list) if prefix_cache else None
     if reused is not None:
         target_runner, draft_runner = reused.target, reused.draft

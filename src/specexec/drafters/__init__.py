@@ -13,7 +13,7 @@ class NoDrafter(DrafterBase):
 
     max_tree_size = 1
 
-    def may_draft(self) -> bool:
+    def may_draft(self, steps: int = 1) -> bool:
         return False
 
     def propose(self, request: DraftRequest) -> Draft:

@@ -51,7 +51,7 @@ class Drafter(Protocol):
 
     def propose(self, request: DraftRequest) -> Draft: ...
 
-    def may_draft(self) -> bool: ...
+    def may_draft(self, steps: int = 1) -> bool: ...
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None: ...
 
@@ -61,11 +61,14 @@ class DrafterBase:
 
     max_tree_size: int
 
-    def may_draft(self) -> bool:
-        """Whether this drafter expects to draft now; if not, the engine does not prefill the draft model
-        (it catches up on the committed tokens when it first drafts). An auto budget does not while it
-        finds that drafting cannot pay, or while its gate pauses drafting: a generation that starts in a
-        pause carried over from earlier ones (`LearntPolicies`) may end before the draft is needed."""
+    def may_draft(self, steps: int = 1) -> bool:
+        """Whether this drafter expects to draft within the next `steps` steps; if not, the engine does
+        not prefill the draft model (it catches up on the committed tokens when it first drafts). An auto
+        budget does not where it finds that drafting cannot pay, nor while its gate pauses drafting for
+        longer: a generation that starts in a pause carried over from earlier ones (`LearntPolicies`)
+        and outlasting it never runs the draft. A pause that ends within the generation is prefilled for
+        as usual, since catching up later costs the same draft work inside decoding, plus, on llama.cpp,
+        new contexts for the trees."""
         return True
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:

@@ -43,8 +43,8 @@ class BestFirstDrafter(DrafterBase):
         self.last_seconds = 0.0  # the auto budget's estimate of the last step's time
         self.max_tree_size = budget + 1 + self.expand * self.width + 2 * ngram
 
-    def may_draft(self) -> bool:
-        return self.policy is None or (not self.policy.gate.paused and self.policy.worth_drafting())
+    def may_draft(self, steps: int = 1) -> bool:
+        return self.policy is None or (self.policy.gate.paused < steps and self.policy.worth_drafting())
 
     def propose(self, request: DraftRequest) -> Draft:
         drafting = request.max_depth >= 1 and (

@@ -65,8 +65,9 @@ class ChainDrafter(DrafterBase):
         draft.first_pass_tokens = steps.first_pass_tokens
         return draft
 
-    def may_draft(self) -> bool:
-        return self.cost_stop is None or (not self.cost_stop.gate.paused and self.cost_stop.worth_drafting())
+    def may_draft(self, steps: int = 1) -> bool:
+        stop = self.cost_stop
+        return stop is None or (stop.gate.paused < steps and stop.worth_drafting())
 
     def drafts_now(self) -> bool:
         """Whether this step drafts at all (the cost stop may pause drafting, or find it cannot pay)."""
