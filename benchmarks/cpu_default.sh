@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17's goals for the default on the llama.cpp backend (docs/benchmarks.md, "Goals (issue 17) on this
 # machine"): `specexec` and `dsl` with budget auto next to `ar` and plain llama.cpp, greedy and T=0.6,
-# MT-Bench and HumanEval, 2 threads, each run timed twice, the draft's whole head (the default) against
-# a 64,000-id one (`--draft-vocab 64000`). Then what would make verification cheap on this
+# MT-Bench and HumanEval, 2 threads, each run timed twice, the draft's whole head against the default
+# (`--draft-vocab auto`: 64,000 ids on llama.cpp). Then what would make verification cheap on this
 # CPU: the target's forward costs in several GGUF weight types, and the w4a8 kernel of the torch backend
 # against plain llama.cpp on the same prompts; last, tokens per target call of specexec@64 on both backends.
 set -euo pipefail
@@ -14,7 +14,7 @@ for temp in 0 0.6; do
   for prompts in mtbench humaneval; do
     specexec bench --prompts "$prompts" --n-prompts 4 --max-new-tokens 64 --backend llamacpp --threads 2 \
       --methods ar,llamacpp,specexec,dsl --budgets auto --dsl-budgets auto "${sampling[@]}" \
-      --draft-vocab 0,64000 --warmup-tokens 8 --repeats 2 --no-progress --out "$out/default-$prompts-$name"
+      --draft-vocab 0,auto --warmup-tokens 8 --repeats 2 --no-progress --out "$out/default-$prompts-$name"
   done
 done
 python benchmarks/gguf_costs.py --threads 2 | tee "$out/gguf-costs.md"
@@ -32,7 +32,7 @@ done
 # speculation against plain llama.cpp on that same target GGUF.
 target=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-1.5b --types IQ4_NL --paths)
 draft=$(python benchmarks/gguf_costs.py --model qwen2.5-coder-0.5b --types IQ4_NL --paths)
-for vocab in 0 64000; do
+for vocab in 0 auto; do
   specexec calibrate --target "$target" --draft "$draft" --backend llamacpp --threads 2 --draft-vocab "$vocab"
 done
 for run in "humaneval 0" "humaneval 0.6" "mtbench 0"; do
@@ -41,6 +41,6 @@ for run in "humaneval 0" "humaneval 0.6" "mtbench 0"; do
   [ "$temp" = 0 ] || sampling+=(--top-p 0.9)
   specexec bench --target "$target" --draft "$draft" --backend llamacpp --threads 2 --prompts "$prompts" \
     --n-prompts 4 --max-new-tokens 64 --methods llamacpp,llamacpp-spec,sd,dsl,specexec \
-    --llamacpp-spec-budgets 3 --sd-budgets 3 --dsl-budgets auto --budgets auto --draft-vocab 0,64000 \
+    --llamacpp-spec-budgets 3 --sd-budgets 3 --dsl-budgets auto --budgets auto --draft-vocab 0,auto \
     --warmup-tokens 8 --repeats 2 --no-progress "${sampling[@]}" --out "$out/iq4nl-$prompts-t$temp"
 done

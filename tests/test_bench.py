@@ -504,6 +504,16 @@ def test_draft_vocabularies_compared_in_one_run(model_dirs, prompt_file: Path, t
     assert rows["sd@3/dv64"]["tokens_per_step"] < rows["sd@3"]["tokens_per_step"]
 
 
+def test_draft_vocab_auto_is_a_smaller_head_for_llamacpp_drafts_only() -> None:
+    from specexec.cli import draft_vocab
+    from specexec.draft_vocab import LLAMACPP_DRAFT_VOCAB
+
+    assert draft_vocab("auto", "llamacpp", 151_936) == LLAMACPP_DRAFT_VOCAB
+    assert draft_vocab("auto", "llamacpp", 32_000) == 0  # nothing to cut
+    assert draft_vocab("auto", "torch", 151_936) == 0
+    assert draft_vocab(0, "llamacpp", 151_936) == 0 and draft_vocab(500, "torch", 151_936) == 500
+
+
 class FakeLlamaCpp:
     """Stands in for `specexec.bench.llamacpp.LlamaCpp`: replays the target's greedy tokens."""
 

@@ -42,6 +42,7 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
     """--target, --draft, --dtype, --quant and the offloading flags, shared by every command that loads
     models. With `quant_list`, --quant and --draft-vocab take comma-separated lists (the bench runs each
     level and each draft vocabulary)."""
+    from specexec.draft_vocab import LLAMACPP_DRAFT_VOCAB
     from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET
     from specexec.quant import QUANT_MODES
 
@@ -94,19 +95,20 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         "--draft-quant", choices=QUANT_MODES, default=None, help="the draft's quantization (default: --quant)"
     )
     vocab_help = (
-        "the draft scores only the first N token ids and the special tokens: a cheaper draft pass "
-        "(e.g. 64000; default 0 = all)"
+        "the draft scores only the first N token ids and the special tokens: a cheaper draft pass; 0 = "
+        f"all; auto: {LLAMACPP_DRAFT_VOCAB} on the llama.cpp backend where the vocabulary is larger, "
+        "else all (default auto)"
     )
     if quant_list:
         parser.add_argument(
             "--draft-vocab",
             type=_vocab_list,
-            default=[0],
+            default=["auto"],
             metavar="N[,N...]",
             help=vocab_help + "; a comma-separated list runs the drafted methods with each",
         )
     else:
-        parser.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N", help=vocab_help)
+        parser.add_argument("--draft-vocab", type=_draft_vocab, default="auto", metavar="N", help=vocab_help)
     off = parser.add_argument_group("offloading (target only)")
     off.add_argument(
         "--offload",
@@ -141,8 +143,12 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
 BACKENDS = ("auto", "torch", "llamacpp")
 
 
-def _vocab_list(text: str) -> list[int]:
-    return list(dict.fromkeys(_non_negative_int(part) for part in text.split(",") if part.strip()))
+def _draft_vocab(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else _non_negative_int(text)
+
+
+def _vocab_list(text: str) -> list[int | str]:
+    return list(dict.fromkeys(_draft_vocab(part) for part in text.split(",") if part.strip()))
 
 
 def _quant_list(text: str) -> list[str]:
@@ -300,23 +306,42 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
     return tokenizer, target, draft
 
 
-def load_draft(args: argparse.Namespace, quant: str, vocab: int):
+def load_draft(args: argparse.Namespace, quant: str, vocab: int | str):
     """The draft as the model arguments ask, at quantization level `quant` (or --draft-quant) and scoring
-    `vocab` token ids (0 = all); its backend is recorded in `args.backends`."""
+    `vocab` token ids (0 = all, "auto": `draft_vocab`); its backend is recorded in `args.backends`."""
     import torch
 
-    from specexec.models import check_same_vocab, choose_backend, default_dtype, load_model, load_tokenizer
+    from specexec.models import check_same_vocab, default_dtype, load_model, load_tokenizer
+
+    backend = draft_backend(args, quant)
+    args.backends["draft"] = backend
+    tokenizer = load_tokenizer(args.draft)
+    check_same_vocab(load_tokenizer(args.target), tokenizer)
+    dtype = (getattr(torch, args.dtype) if args.dtype else default_dtype()) if backend == "torch" else None
+    return load_model(
+        args.draft, dtype, quant=args.draft_quant or quant, vocab=draft_vocab(vocab, backend, len(tokenizer)),
+        backend=backend, threads=args.threads,
+    )  # fmt: skip
+
+
+def draft_backend(args: argparse.Namespace, quant: str) -> str:
+    """The backend the draft runs on at quantization level `quant` (or --draft-quant)."""
+    from specexec.models import choose_backend
 
     draft_quant = args.draft_quant or quant
     torch_only = [f"--dtype {args.dtype}"] if args.dtype else []
     torch_only += [f"--quant {draft_quant}"] if draft_quant != "none" else []
-    backend = choose_backend(args.draft_backend or args.backend, args.draft, torch_only)
-    args.backends["draft"] = backend
-    check_same_vocab(load_tokenizer(args.target), load_tokenizer(args.draft))
-    dtype = (getattr(torch, args.dtype) if args.dtype else default_dtype()) if backend == "torch" else None
-    return load_model(
-        args.draft, dtype, quant=draft_quant, vocab=vocab, backend=backend, threads=args.threads
-    )
+    return choose_backend(args.draft_backend or args.backend, args.draft, torch_only)
+
+
+def draft_vocab(value: int | str, backend: str, vocab_size: int) -> int:
+    """--draft-vocab as a number: "auto" is `LLAMACPP_DRAFT_VOCAB` for a llama.cpp draft whose vocabulary
+    is larger (measured faster there, docs/benchmarks.md), else 0 (the whole vocabulary)."""
+    from specexec.draft_vocab import LLAMACPP_DRAFT_VOCAB
+
+    if value != "auto":
+        return int(value)
+    return LLAMACPP_DRAFT_VOCAB if backend == "llamacpp" and vocab_size > LLAMACPP_DRAFT_VOCAB else 0
 
 
 def backend_label(args: argparse.Namespace) -> str:

@@ -27,6 +27,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+# What `--draft-vocab auto` keeps for a llama.cpp draft: the packaged 0.5B draft's head is 37% of the bytes
+# a pass reads; its first 64,000 ids hold 98% of the tokens the target writes on HumanEval and MT-Bench,
+# and on 2 cores this draft made `sd@3` and `specexec` auto 3-8% faster than the whole head and than
+# 32,000 ids (docs/benchmarks.md, "A draft that scores fewer tokens"). Where drafting loses (chat text at
+# T=0.6) the cheaper pass once made the policies draft more, until the speculation gate learnt to stop
+# sooner ("When drafting loses", session 7).
+LLAMACPP_DRAFT_VOCAB = 64000
+
 
 class DraftVocabError(ValueError):
     """A vocabulary restriction that cannot be applied as asked."""

@@ -191,7 +191,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
 
     from specexec.bench.core import DRAFT_METHODS, BenchError, make_configs, run_benchmark
     from specexec.bench.report import machine_info, write_outputs
-    from specexec.cli import backend_label, load_draft, load_pair
+    from specexec.cli import backend_label, draft_backend, draft_vocab, load_draft, load_pair
     from specexec.draft_vocab import check_draft_vocab
     from specexec.models import load_tokenizer
     from specexec.prompts import load_prompts
@@ -200,10 +200,13 @@ def _run(args: argparse.Namespace, command: str) -> int:
         raise BenchError("the plots need matplotlib: pip install 'specexec[bench]'")
     tokenizer = load_tokenizer(args.target)
     need_draft = any(method in DRAFT_METHODS for method in args.methods)
-    vocabs = args.draft_vocab if need_draft else [0]
-    for n in vocabs:
-        if n:
-            check_draft_vocab(n, len(tokenizer))  # before any model loads
+    vocabs = [0]
+    if need_draft:
+        backend = draft_backend(args, args.quant[0])
+        vocabs = list(dict.fromkeys(draft_vocab(v, backend, len(tokenizer)) for v in args.draft_vocab))
+        for n in vocabs:
+            if n:
+                check_draft_vocab(n, len(tokenizer))  # before any model loads
     configs = make_configs(
         args.methods,
         args.budgets,
