@@ -357,7 +357,7 @@ def test_chain_cost_stop_charges_a_first_pass_that_caught_up() -> None:
         before = stop.gate.seconds
         stop.observe([0.9, 0.8], accepted=1, first_pass_tokens=first)
         spent[first] = stop.gate.seconds - before
-    assert spent[1] == pytest.approx(stop.chain_seconds[2])
+    assert spent[1] == pytest.approx(stop.chain_times[2])
     assert spent[6] == pytest.approx(spent[1] + 0.5 - 0.01)
 
 

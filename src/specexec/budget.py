@@ -281,7 +281,30 @@ def chain_pays(acceptance: float, rate: float, seconds: Sequence[float]) -> bool
     return False
 
 
-class AutoBudget:
+class DraftingPolicy:
+    """What both auto policies decide before a step drafts, from their learnt acceptance (`acceptance`),
+    their speculation gate (`gate`) and the times T(k) of chains of k = 0, 1, ... draft tokens
+    (`chain_times`, `chain_seconds`)."""
+
+    acceptance: AcceptanceModel
+    gate: SpeculationGate
+    chain_times: list[float]
+
+    def worth_drafting(self) -> bool:
+        """Whether a step could gain by drafting (`chain_pays` at the surest tokens' learnt acceptance)."""
+        return chain_pays(float(self.acceptance(torch.ones(1))[0]), self.gate.floor_rate, self.chain_times)
+
+    def drafts_now(self) -> bool:
+        """Whether this step drafts (consumes one step of the gate's pause when not)."""
+        return self.gate.allows() and self.worth_drafting()
+
+    def may_draft(self, steps: int = 1) -> bool:
+        """Whether some step of the next `steps` may draft: the gate's pause ends within them and drafting
+        could gain (consumes nothing)."""
+        return self.gate.paused < steps and self.worth_drafting()
+
+
+class AutoBudget(DraftingPolicy):
     """Chooses the SpecExec tree per step from a cost model and learnt acceptance rates.
 
     A node is accepted with probability P = the product, along its path, of the `AcceptanceModel` rate of
@@ -304,11 +327,7 @@ class AutoBudget:
         # every draft round.
         self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
         self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
-        self.chains = chain_seconds(cost, CHAIN_CHECK)
-
-    def worth_drafting(self) -> bool:
-        """Whether this step should draft at all (`chain_pays` at the surest tokens' learnt acceptance)."""
-        return chain_pays(float(self.acceptance(torch.ones(1))[0]), self.gate.floor_rate, self.chains)
+        self.chain_times = chain_seconds(cost, CHAIN_CHECK)
 
     def node_probs(self, tree: DraftTree) -> torch.Tensor:
         """P for every node of `tree` (the root: 1), (size,)."""
@@ -372,7 +391,7 @@ def _conditional_probs(tree: DraftTree) -> torch.Tensor:
     return (tree.scores[:size] - tree.scores[parents]).exp().cpu()
 
 
-class ChainCostStop:
+class ChainCostStop(DraftingPolicy):
     """Stop a draft chain where drafting on is not expected to pay at the generation's achieved rate.
 
     Draft token i is accepted, given its predecessors were, with the `AcceptanceModel` rate of c_i, the
@@ -388,14 +407,10 @@ class ChainCostStop:
         self.max_length = max_length
         self.cost = cost
         # T(k) for k = 0 .. max_length, looked up for every length after every draft token.
-        self.chain_seconds = chain_seconds(cost, max_length)
+        self.chain_times = chain_seconds(cost, max_length)
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
         self.start()
-
-    def worth_drafting(self) -> bool:
-        """Whether this step should draft at all (`chain_pays` at the surest tokens' learnt acceptance)."""
-        return chain_pays(float(self.acceptance(torch.ones(1))[0]), self.gate.floor_rate, self.chain_seconds)
 
     def start(self) -> None:
         """A new chain."""
@@ -410,12 +425,12 @@ class ChainCostStop:
         self.expected += self.path
         self.length += 1
         rate = self.gate.floor_rate
-        value = self.expected - rate * self.chain_seconds[self.length]
+        value = self.expected - rate * self.chain_times[self.length]
         path, expected = self.path, self.expected
         for k in range(self.length + 1, self.max_length + 1):
             path *= accept
             expected += path
-            if expected - rate * self.chain_seconds[k] > value:
+            if expected - rate * self.chain_times[k] > value:
                 return False
         return True
 
@@ -428,7 +443,7 @@ class ChainCostStop:
         self.acceptance.observe(torch.tensor(verified), labels)
         if confidences:
             catch_up = self.cost.draft_seconds(first_pass_tokens) - self.cost.draft_seconds(1)
-            self.gate.record(accepted + 1, self.chain_seconds[len(confidences)] + catch_up)
+            self.gate.record(accepted + 1, self.chain_times[len(confidences)] + catch_up)
         self.start()
 
 

@@ -251,6 +251,8 @@ def stream(
     stats = Stats(method=method, prompt_tokens=prompt.numel())
     prompt_list = prompt.tolist()
     pair_draft = draft if method != "ar" else None
+    # The draft is prefilled unless no step of this generation can draft: catching up later costs the same
+    # draft work inside decoding (and, on llama.cpp, new tree contexts mid-generation).
     drafting = pair_draft is not None and drafter.may_draft(steps=max_new_tokens)
     reused = prefix_cache.take(target, pair_draft, prompt_list) if prefix_cache else None
     if reused is not None:

@@ -54,9 +54,8 @@ BENCH_METHODS = ENGINE_METHODS + HF_METHODS + EXTERNAL_METHODS
 DEFAULT_METHODS = ENGINE_METHODS + HF_METHODS
 BUDGET_METHODS = ("sd", "dsl", "specinfer", "specexec", "llamacpp-spec")  # the methods a budget applies to
 DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec", "hf-assisted")
-ENGINE_DRAFT_METHODS = tuple(
-    m for m in DRAFT_METHODS if m in ENGINE_METHODS
-)  # those --draft-vocab applies to
+# The drafted methods the engine runs: those --draft-vocab applies to.
+ENGINE_DRAFT_METHODS = tuple(m for m in DRAFT_METHODS if m in ENGINE_METHODS)
 PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
 
 DEFAULT_BUDGETS = (16, 64, 256, 1024, "auto")

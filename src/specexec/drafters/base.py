@@ -62,13 +62,10 @@ class DrafterBase:
     max_tree_size: int
 
     def may_draft(self, steps: int = 1) -> bool:
-        """Whether this drafter expects to draft within the next `steps` steps; if not, the engine does
-        not prefill the draft model (it catches up on the committed tokens when it first drafts). An auto
-        budget does not where it finds that drafting cannot pay, nor while its gate pauses drafting for
-        longer: a generation that starts in a pause carried over from earlier ones (`LearntPolicies`)
-        and outlasting it never runs the draft. A pause that ends within the generation is prefilled for
-        as usual, since catching up later costs the same draft work inside decoding, plus, on llama.cpp,
-        new contexts for the trees."""
+        """Whether this drafter may draft within the next `steps` steps; if not, the engine does not
+        prefill the draft model (it catches up on the committed tokens when it first drafts). An auto
+        budget may not where drafting cannot pay, or while its gate pauses drafting for longer (a pause
+        carried over from earlier generations by `LearntPolicies`)."""
         return True
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:

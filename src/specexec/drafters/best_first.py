@@ -44,12 +44,10 @@ class BestFirstDrafter(DrafterBase):
         self.max_tree_size = budget + 1 + self.expand * self.width + 2 * ngram
 
     def may_draft(self, steps: int = 1) -> bool:
-        return self.policy is None or (self.policy.gate.paused < steps and self.policy.worth_drafting())
+        return self.policy is None or self.policy.may_draft(steps)
 
     def propose(self, request: DraftRequest) -> Draft:
-        drafting = request.max_depth >= 1 and (
-            self.policy is None or (self.policy.gate.allows() and self.policy.worth_drafting())
-        )
+        drafting = request.max_depth >= 1 and (self.policy is None or self.policy.drafts_now())
         if not drafting and not self.ngram:  # a plain step: the root alone, at a plain step's cost
             return plain_step(request)
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)

@@ -66,12 +66,11 @@ class ChainDrafter(DrafterBase):
         return draft
 
     def may_draft(self, steps: int = 1) -> bool:
-        stop = self.cost_stop
-        return stop is None or (stop.gate.paused < steps and stop.worth_drafting())
+        return self.cost_stop is None or self.cost_stop.may_draft(steps)
 
     def drafts_now(self) -> bool:
         """Whether this step drafts at all (the cost stop may pause drafting, or find it cannot pay)."""
-        return self.cost_stop is None or (self.cost_stop.gate.allows() and self.cost_stop.worth_drafting())
+        return self.cost_stop is None or self.cost_stop.drafts_now()
 
     def ends_chain(self, confidence: float) -> bool:
         """Whether the token just drafted, the draft's probability for it being `confidence`, is the
