@@ -1212,3 +1212,12 @@ def test_auto_budget_calibrates_once_at_startup(pair, tok, tmp_path, monkeypatch
         }
         r = http.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    # What the auto budget learnt is on disk, and a restarted server starts from it.
+    (saved,) = (tmp_path / "learnt").glob("*.json")
+    learnt = app.state.engine.engine_options["learnt"]
+    (policy,) = learnt._policies.values()
+    restarted = make_app(pair, tok, budget="auto").state.engine.engine_options["learnt"]
+    assert restarted.path == saved and restarted is not learnt
+    assert json.loads(saved.read_text())["policies"] == restarted._saved
+    (state,) = restarted._saved.values()
+    assert state["gate"] == policy.gate.state()

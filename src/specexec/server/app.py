@@ -84,7 +84,8 @@ def create_app(
     """An ASGI app serving `target` (sped up by `draft`) through the OpenAI API.
 
     `method` and `budget` are `specexec.stream`'s (budget None: the method's default; "auto": sized per
-    step from this pair's calibration, measured here once if not cached); `engine_options` are further
+    step from this pair's calibration, measured here once if not cached, and from what the auto budget
+    learnt, kept on disk after every request: `budget.persisted_policies`); `engine_options` are further
     `stream` arguments, the same for every request (e.g. ``{"lookahead_schedule": "heuristic"}``).
     One generation runs at a time; at most `max_queue` requests wait behind it, and the next one gets a
     429. With `api_key`, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
@@ -491,12 +492,13 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
         raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
     sized_by_cost = (budget if budget is not None else DEFAULT_BUDGETS[method]) == "auto"
     if sized_by_cost:
-        from specexec.budget import LearntPolicies, cached_cost_model
+        from specexec.budget import cached_cost_model, persisted_policies
 
         if options.get("cost_model") is None:
             options["cost_model"] = cached_cost_model(target, draft)  # calibrates now if not cached
-        # Requests run one at a time: each starts from what the auto budget learnt on the ones before.
-        options.setdefault("learnt", LearntPolicies())
+        # Requests run one at a time: each starts from what the auto budget learnt on the ones before,
+        # and the first from what the last server (or `specexec generate`) of this pair learnt.
+        options.setdefault("learnt", persisted_policies(target, draft))
     return options
 
 

@@ -369,6 +369,9 @@ class GenerationQueue:
             finish = "error"
         finally:
             generator.close()
+        learnt = self.engine_options.get("learnt")
+        if learnt is not None:
+            learnt.save()  # a restarted server starts from what this one learnt
         self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
         if finish == "cancelled" and self._stopping:
             job._push(Update(error=ShuttingDown()))
