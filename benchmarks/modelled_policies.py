@@ -30,7 +30,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--methods", default="specexec,dsl")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--catch-up-passes", type=float, default=budget.CATCH_UP_PASSES,
+        help="what a draft's catch-up after plain steps may cost, in target passes (a large value: it reads "
+        "every token it missed)",
+    )  # fmt: skip
     args = parser.parse_args()
+    budget.CATCH_UP_PASSES = args.catch_up_passes
 
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, backend="llamacpp", threads=args.threads)
@@ -62,7 +68,8 @@ def main() -> None:
             tokens, calls, steps = tokens + stats.new_tokens, calls + stats.target_calls, steps + len(drafted)
         print(
             f"{method} auto, draft vocab {args.draft_vocab or 'all'}, {args.prompts} x{len(prompts)}, "
-            f"T={args.temperature}: {tokens * one / seconds:.3f}x plain decoding in cost-model time, "
+            f"T={args.temperature}, catch-up {args.catch_up_passes:g} passes: "
+            f"{tokens * one / seconds:.3f}x plain decoding in cost-model time, "
             f"{tokens / calls:.2f} tokens per call, {steps} of {calls} steps drafted"
         )
 

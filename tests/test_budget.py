@@ -20,8 +20,10 @@ from specexec.budget import (
     HeuristicLookahead,
     best_threshold,
     cached_cost_model,
+    catch_up_window,
 )
 from specexec.drafters import ChainDrafter, DraftRequest
+from specexec.prefix_cache import PrefixCache
 from specexec.runner import ModelRunner
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree
@@ -613,3 +615,92 @@ def test_a_tree_padded_to_a_cheaper_batch_still_grows_deeper() -> None:
     assert policy.frontier_size(children, children, 0.036, child_accept=0.9) == 1
     # The control: an unlikely draft child is not worth a pass.
     assert policy.frontier_size(children, children, 0.036, child_accept=0.02) == 0
+
+
+def test_a_draft_that_batches_dearly_catches_up_on_the_latest_tokens_only() -> None:
+    """This CPU's measured curves (default pair, llama.cpp, 2 threads): reading 8 missed tokens costs the
+    draft 1.4 target passes, so a probe after a pause reads the last 4. Where the draft batches cheaply
+    (a GPU), it reads everything it missed."""
+    cpu = CostModel({1: 0.094, 16: 0.40}, {1: 0.040, 2: 0.055, 4: 0.075, 8: 0.127, 16: 0.208})
+    assert catch_up_window(cpu) == 4
+    assert catch_up_window(FLAT) is None
+
+
+# Verification is flat, so drafting pays, but a draft forward over 4 or more tokens costs more than half
+# a target pass: a draft back from plain steps reads only the last 3 tokens.
+DEAR_BATCHES = CostModel({1: 1.0, 1024: 1.2}, {1: 0.05, 3: 0.5, 4: 0.8, 128: 0.9})
+
+
+@pytest.mark.parametrize("method", ["specexec", "dsl"])
+def test_after_a_pause_the_draft_skips_what_it_missed_and_the_cache_stays_consistent(
+    models, reference, method: str
+) -> None:
+    """Where drafting has been losing, the first draft forward after a pause of 10 steps reads 3 tokens,
+    not the 11 it missed; the output is still the target's, and the draft's cache at the end is exactly
+    the committed text with the skipped tokens cut out (what a fresh draft reading that text computes).
+    A follow-up that shares the whole text reuses the draft's cache only up to the cut."""
+    target, draft, prompt = models
+    assert catch_up_window(DEAR_BATCHES) == 3
+    draft_forwards: list[int] = []  # tokens per draft forward
+    hook = draft.get_input_embeddings().register_forward_hook(
+        lambda _, args, __: draft_forwards.append(args[0].shape[-1])
+    )
+    learnt, cache = specexec.LearntPolicies(), PrefixCache(1 << 30)
+
+    def run(input_ids, cache=None):
+        return specexec.generate(
+            target, draft, input_ids, method=method, budget="auto", cost_model=DEAR_BATCHES,
+            max_new_tokens=48, learnt=learnt, prefix_cache=cache,
+        )  # fmt: skip
+
+    try:
+        assert run(prompt).stats.draft_calls > 0  # drafting pays here
+        (policy,) = learnt._policies.values()
+        gate = policy.gate
+        gate.window = 10**6  # no later pause: at most one cut, which the check below reconstructs
+        # Where drafting has been paying, the draft reads everything it missed: context matters there.
+        gate.paused, gate.history = 10, []
+        draft_forwards.clear()
+        assert run(prompt).tokens == reference
+        assert draft_forwards[:2] == [len(prompt) - 1, 11]
+        # Where it has been losing (λ a tenth of plain decoding's rate), the probe reads the latest 3.
+        gate.paused, gate.tokens, gate.seconds = 10, 1.0, 10.0
+        draft_forwards.clear()
+        out = run(prompt, cache)
+    finally:
+        hook.remove()
+    assert out.tokens == reference
+    assert draft_forwards[0] == len(prompt) - 1  # the prompt's prefill
+    assert draft_forwards[1] == 3  # after 10 plain steps: the last 3 of the 11 tokens it had not read
+    assert all(out.stats.tree_sizes[10:-1])  # and drafts from then on
+
+    (entry,) = cache._entries
+    runner = entry.draft
+    assert (runner.cut, runner.skipped) == (len(prompt) - 1, 11 - 3)
+    text = torch.tensor(entry.tokens)
+    seen = torch.cat([text[: runner.cut], text[runner.cut + runner.skipped : runner.read]])
+    assert runner.length == len(seen)
+    with torch.inference_mode():  # the engine's buffers are inference tensors
+        fresh = ModelRunner(draft, len(seen) + 1)
+        fresh.extend(seen)
+        probe = torch.tensor([5])
+        runner.reserve(runner.length + 1)
+        assert torch.allclose(runner.extend(probe), fresh.extend(probe), atol=1e-5)
+
+    # A follow-up turn: the target's cache is reused whole, the draft's only up to the cut.
+    follow_up = torch.cat([text, torch.tensor([7, 8])])
+    expected = target.generate(follow_up[None], do_sample=False, max_new_tokens=8)[0, len(follow_up) :]
+    draft_forwards.clear()
+    hook = draft.get_input_embeddings().register_forward_hook(
+        lambda _, args, __: draft_forwards.append(args[0].shape[-1])
+    )
+    try:
+        out = specexec.generate(
+            target, draft, follow_up, method=method, budget="auto", cost_model=DEAR_BATCHES,
+            max_new_tokens=8, learnt=learnt, prefix_cache=cache,
+        )  # fmt: skip
+    finally:
+        hook.remove()
+    assert out.tokens == expected.tolist()
+    assert out.stats.cached_tokens == len(text) - 1  # all the target had read (not the last token)
+    assert draft_forwards[0] == len(follow_up) - 1 - runner.cut

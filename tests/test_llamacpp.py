@@ -333,6 +333,41 @@ def test_a_follow_up_reuses_the_cached_prefix(model, args) -> None:
     assert reused.tokens == specexec.generate(target, draft, turn, max_new_tokens=24, **args).tokens
 
 
+@pytest.mark.parametrize("method", ["specexec", "dsl"])
+def test_a_draft_back_from_a_pause_skips_what_it_missed(model, method: str) -> None:
+    """llama.cpp wants each sequence's positions consecutive: a draft that skips the tokens of its pause
+    reads on at the next position, and its cache is the text with them cut out. Verification is flat
+    but a draft forward over 4 tokens costs more than half a target pass, so where drafting has been
+    losing it reads the last 3."""
+    from specexec.budget import catch_up_window
+    from specexec.prefix_cache import PrefixCache
+
+    target, draft = model("llama", "f32"), model("llama", "f32", "perturbed")
+    dear_batches = CostModel({1: 1.0, 1024: 1.2}, {1: 0.05, 3: 0.5, 4: 0.8, 128: 0.9})
+    assert catch_up_window(dear_batches) == 3
+    learnt, cache = specexec.LearntPolicies(), PrefixCache(1 << 30)
+    args = dict(method=method, budget="auto", cost_model=dear_batches, max_new_tokens=NEW, learnt=learnt)
+    assert specexec.generate(target, draft, PROMPT, **args).stats.draft_calls > 0
+    (policy,) = learnt._policies.values()
+    gate = policy.gate
+    gate.window = 10**6  # no later pause: one cut
+    gate.paused, gate.history, gate.tokens, gate.seconds = 10, [], 1.0, 10.0  # losing
+    out = specexec.generate(target, draft, PROMPT, prefix_cache=cache, **args)
+    assert out.tokens == ar_reference(target)
+    assert all(out.stats.tree_sizes[10:-1])
+
+    (entry,) = cache._entries
+    runner = entry.draft
+    assert (runner.cut, runner.skipped) == (len(PROMPT) - 1, 11 - 3)
+    text = torch.tensor(entry.tokens)
+    seen = torch.cat([text[: runner.cut], text[runner.cut + runner.skipped : runner.read]])
+    assert runner.length == len(seen)
+    fresh = LlamaCppRunner(draft, len(seen) + 1)
+    fresh.extend(seen)
+    probe = torch.tensor([5])
+    assert torch.allclose(runner.extend(probe), fresh.extend(probe), atol=1e-4)
+
+
 # -- a draft with a reduced head (--draft-vocab) -----------------------------------------------------------
 
 

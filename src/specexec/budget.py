@@ -218,6 +218,11 @@ class SpeculationGate:
         default once ran at 0.84x plain llama.cpp on MT-Bench, docs/benchmarks.md)."""
         return max(self.rate, self.plain_rate)
 
+    @property
+    def losing(self) -> bool:
+        """Whether drafting has been losing: λ below plain decoding's rate."""
+        return self.rate < self.plain_rate
+
     def allows(self) -> bool:
         """Whether this step drafts (consumes one paused step when not)."""
         if self.paused:
@@ -236,7 +241,7 @@ class SpeculationGate:
             return
         rate = sum(t for t, _ in self.history) / sum(s for _, s in self.history)
         self.history.clear()
-        losing = self.rate < self.plain_rate
+        losing = self.losing
         if rate < self.plain_rate:
             grow, longest = (4, LOSING_MAX_PAUSE) if losing else (2, PAYING_MAX_PAUSE)
             self.paused, self.pause = self.pause, min(grow * self.pause, longest)
@@ -281,14 +286,38 @@ def chain_pays(acceptance: float, rate: float, seconds: Sequence[float]) -> bool
     return False
 
 
+def catch_up_window(cost: CostModel) -> int | None:
+    """How many committed tokens a draft reads when it probes again after plain steps where drafting has
+    been losing: the most whose forward costs at most CATCH_UP_PASSES target passes more than a
+    one-token one; None where that holds up to CATCH_UP_LIMIT tokens (a draft that batches cheaply reads
+    everything it missed).
+
+    Reading every token it missed cost about 0.1 target pass per token on a CPU (the default pair,
+    llama.cpp, 2 threads), paid before a probe knows whether drafting pays again: after a pause of 64
+    steps, 7 target passes. The tokens it skips cost the draft context, which matters where drafting
+    pays (on HumanEval, skipping after every pause took the default from 1.11x to 1.07x plain decoding
+    in cost-model time), so only a losing regime's probes skip. The target checks every token.
+    """
+    allowed = cost.draft_seconds(1) + CATCH_UP_PASSES * cost.target_seconds(1)
+    fits = [n for n in range(1, CATCH_UP_LIMIT + 1) if cost.draft_seconds(n) <= allowed]
+    return None if fits[-1] == CATCH_UP_LIMIT else fits[-1]
+
+
 class DraftingPolicy:
     """What both auto policies decide before a step drafts, from their learnt acceptance (`acceptance`),
     their speculation gate (`gate`) and the times T(k) of chains of k = 0, 1, ... draft tokens
-    (`chain_times`, `chain_seconds`)."""
+    (`chain_times`, `chain_seconds`); and how much a draft reads after plain steps (`catch_up`)."""
 
     acceptance: AcceptanceModel
     gate: SpeculationGate
     chain_times: list[float]
+    window: int | None  # `catch_up_window`
+
+    @property
+    def catch_up(self) -> int | None:
+        """How many of the tokens it missed the draft reads now: the latest `window` where drafting has
+        been losing, else all (None)."""
+        return self.window if self.gate.losing else None
 
     def worth_drafting(self) -> bool:
         """Whether a step could gain by drafting (`chain_pays` at the surest tokens' learnt acceptance)."""
@@ -328,6 +357,7 @@ class AutoBudget(DraftingPolicy):
         self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
         self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
         self.chain_times = chain_seconds(cost, CHAIN_CHECK)
+        self.window = catch_up_window(cost)
 
     def node_probs(self, tree: DraftTree) -> torch.Tensor:
         """P for every node of `tree` (the root: 1), (size,)."""
@@ -408,6 +438,7 @@ class ChainCostStop(DraftingPolicy):
         self.cost = cost
         # T(k) for k = 0 .. max_length, looked up for every length after every draft token.
         self.chain_times = chain_seconds(cost, max_length)
+        self.window = catch_up_window(cost)
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
         self.start()
@@ -523,6 +554,8 @@ LEARNT_FORMAT = 1  # a saved `LearntPolicies` file of another format is ignored
 # The longest pause of `SpeculationGate`, in steps, where drafting has been paying and where it has not.
 PAYING_MAX_PAUSE = 64
 LOSING_MAX_PAUSE = 256
+CATCH_UP_PASSES = 0.5  # what a draft's catch-up after plain steps may cost, in target passes
+CATCH_UP_LIMIT = 1024  # a catch-up of this many tokens within that cost: no tokens are skipped
 
 # Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)

@@ -176,7 +176,9 @@ def stream(
     generation's is kept there when it ends. The prompt is prefilled `runner.PREFILL_CHUNK` tokens at a
     time; when `cancelled()` turns true between two chunks, the generation ends without yielding. The
     draft is prefilled only if the drafter expects to draft (an auto budget may find that drafting
-    cannot pay on this machine); otherwise it catches up when it first drafts.
+    cannot pay on this machine); otherwise it catches up when it first drafts. After plain steps, an auto
+    budget's draft reads only the latest tokens where reading all it missed would cost more than half a
+    target pass (`budget.catch_up_window`).
     """
     prompt = _as_token_tensor(input_ids, target)
     if method not in METHODS:
@@ -261,8 +263,7 @@ def stream(
         stats.cached_tokens = min(reused.shared_with(prompt_list), prompt.numel() - 1)
         for runner in (target_runner, draft_runner):
             if runner is not None:
-                shared = min(stats.cached_tokens, runner.length)
-                runner.keep(torch.arange(shared, device=prompt.device))
+                runner.keep_prefix(stats.cached_tokens)
     else:
         target_runner, draft_runner = make_runner(target, needed, trees=drafting), None
     text = TextStream(tokenizer, stop_strings) if stop_strings else None
@@ -314,7 +315,8 @@ def stream(
             target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
             if draft_runner is not None:
                 seen = path_nodes[tree.expanded[path_nodes]]
-                draft_runner.keep(_with_prefix(min(draft_runner.length, root_slot), root_slot + seen))
+                draft_root = root_slot - draft_runner.skipped
+                draft_runner.keep(_with_prefix(min(draft_runner.length, draft_root), draft_root + seen))
             stats.target_seconds = target_runner.forward_seconds
             stats.draft_seconds = draft_runner.forward_seconds if draft_runner is not None else 0.0
             stats.target_calls += 1

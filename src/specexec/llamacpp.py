@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from specexec.draft_vocab import full_vocab_logits
-from specexec.runner import clock, grown_capacity
+from specexec.runner import SlotRunner, clock, grown_capacity
 
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the committed one, the rest leaves
@@ -232,7 +232,7 @@ class _Slot:
     parent: int | None  # the parent's slot, None when the parent is the committed prefix
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(SlotRunner):
     """Drives one `LlamaCppModel` over its own llama.cpp context: `extend`, `forward_tree`, `keep`,
     `move`, with the slot semantics of `specexec.runner.ModelRunner`."""
 

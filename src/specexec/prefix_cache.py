@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 @dataclass
 class CachedPrefix:
-    """Runners of a finished generation of a model pair: `tokens`, the first `runner.length` of which
-    each one holds (the draft's runner is None if it was never needed)."""
+    """Runners of a finished generation of a model pair: `tokens`, the first `runner.read` of which
+    each one holds, less any a draft skipped (`SlotRunner.skip`; the draft's runner is None if it was
+    never needed)."""
 
     tokens: list[int]
     target_model: object
@@ -75,7 +76,7 @@ class PrefixCache:
 
     def put(self, tokens: Sequence[int], target, draft, target_runner, draft_runner) -> None:
         """Keep the runners of models `target` and `draft` (None for plain decoding), each holding the
-        first `length` of `tokens`, as the most recent entry."""
+        first `read` of `tokens`, as the most recent entry."""
         entry = CachedPrefix(list(tokens), target, draft, target_runner, draft_runner)
         with self._lock:
             if entry.nbytes > self.max_bytes:

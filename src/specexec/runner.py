@@ -149,7 +149,44 @@ class HFForward:
         return mask.masked_fill_(~allowed, self.mask_min)[None, None]  # (1, 1, n, width)
 
 
-class ModelRunner:
+class SlotRunner:
+    """What every runner shares: the committed sequence in slots [0, `length`), each at its slot's
+    position, less any committed tokens it was told to `skip`.
+
+    A draft catching up after many plain steps reads only the latest tokens: the others are left out of
+    its cache for good, and it reads the text as if they had never been there (positions stay
+    consecutive, as llama.cpp requires). Its slot for committed token i >= `cut` + `skipped` is then
+    i - `skipped`. The target never skips.
+    """
+
+    length: int
+    device: torch.device
+    skipped = 0  # committed tokens left out of the cache
+    cut = 0  # the slot where the first of them were left out
+
+    @property
+    def read(self) -> int:
+        """Committed tokens accounted for: in slots, or skipped."""
+        return self.length + self.skipped
+
+    def skip(self, tokens: int) -> None:
+        """Count the next `tokens` committed tokens as read without storing them."""
+        if tokens > 0 and not self.skipped:
+            self.cut = self.length
+        self.skipped += tokens
+
+    def keep_prefix(self, tokens: int) -> None:
+        """Keep the cache of the first `tokens` committed tokens only (fewer where it holds fewer, or
+        skipped some of them), for a new sequence that shares them."""
+        kept = min(tokens, self.length, self.cut if self.skipped else self.length)
+        self.keep(torch.arange(kept, device=self.device))
+        self.skipped = 0
+
+    def keep(self, slots: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class ModelRunner(SlotRunner):
     """Drives one causal LM over slot-addressed KV buffers: `reserve`, `extend`, `forward_tree`, `keep`.
 
     The forward is `NativeDecoder` where it supports the model (and `native` is not False), else the

@@ -75,20 +75,31 @@ class DrafterBase:
 class TreeDraftRunner:
     """The draft model's forwards for one step: catch up on the committed tokens, then expand tree nodes.
 
-    Tree node i lives in KV slot `root_slot + i`, the same layout the target uses for verification.
+    Tree node i lives in KV slot `root_slot + i`, the layout the target uses for verification (shifted
+    down by the committed tokens the draft skipped).
     """
 
-    def __init__(self, request: DraftRequest, tree: DraftTree) -> None:
+    def __init__(self, request: DraftRequest, tree: DraftTree, catch_up: int | None = None) -> None:
+        """`catch_up`: how many of the committed tokens the draft has not read it reads, the latest ones
+        (the others it skips for good, `SlotRunner.skip`); None: all of them."""
         self.runner = request.runner
         self.request = request
         self.tree = tree
-        self.root_slot = request.committed.numel() - 1
+        self.catch_up = catch_up
         self.calls = 0
         self.first_pass_tokens = 0  # what `expand_root` forwarded: the root and what the draft had not seen
 
+    @property
+    def root_slot(self) -> int:
+        return self.request.committed.numel() - 1 - self.runner.skipped
+
     def expand_root(self) -> torch.Tensor:
-        """Draft logits (1, V) for the root's children; also feeds any committed tokens it has not seen."""
-        missing = self.request.committed[self.runner.length :]  # (m,), ends with the root
+        """Draft logits (1, V) for the root's children; also feeds the committed tokens it has not seen
+        (the latest `catch_up` of them)."""
+        unread = self.request.committed.numel() - self.runner.read
+        if self.catch_up is not None and unread > self.catch_up:
+            self.runner.skip(unread - self.catch_up)
+        missing = self.request.committed[self.runner.read :]  # (m,), ends with the root
         self.first_pass_tokens = missing.numel()
         # The last chunk, root included, in one forward (after a chain accepted whole: its last draft
         # token and the bonus token); anything before it (a draft that has not drafted for a while, or

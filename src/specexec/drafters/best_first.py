@@ -51,7 +51,7 @@ class BestFirstDrafter(DrafterBase):
         if not drafting and not self.ngram:  # a plain step: the root alone, at a plain step's cost
             return plain_step(request)
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
-        steps = TreeDraftRunner(request, tree)
+        steps = TreeDraftRunner(request, tree, self.policy.catch_up if self.policy else None)
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         draft_seconds = 0.0  # the cost model's estimate, for the auto budget
         for round_ in range(self.max_rounds if drafting else 0):

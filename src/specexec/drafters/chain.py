@@ -40,7 +40,7 @@ class ChainDrafter(DrafterBase):
             return plain_step(request)
         tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         draft = Draft(tree)
-        steps = TreeDraftRunner(request, tree)
+        steps = TreeDraftRunner(request, tree, self.cost_stop.catch_up if self.cost_stop else None)
         length = min(self.schedule.length if self.schedule else self.length, self.max_length)
         node = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         for i in range(min(length, request.max_depth)):
