@@ -1221,3 +1221,18 @@ def test_auto_budget_calibrates_once_at_startup(pair, tok, tmp_path, monkeypatch
     assert json.loads(saved.read_text())["policies"] == restarted._saved
     (state,) = restarted._saved.values()
     assert state["gate"] == policy.gate.state()
+
+
+def test_a_learnt_file_that_cannot_be_written_costs_the_request_nothing(pair, tok, tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    learnt = specexec.LearntPolicies(blocked / "learnt.json")  # its folder would be a file: OSError
+    cost = specexec.budget.CostModel({1: 1.0, 1024: 1.2}, {1: 0.05, 128: 0.06})
+    app = make_app(pair, tok, budget="auto", engine_options={"learnt": learnt, "cost_model": cost})
+    prompt = "unwritable"
+    text, _ = reference(pair, tok, tok(prompt)["input_ids"], 8)
+    with live_server(app) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        for _ in range(2):
+            r = http.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    assert "could not save what the auto budget learnt" in caplog.text

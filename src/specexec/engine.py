@@ -176,9 +176,9 @@ def stream(
     generation's is kept there when it ends. The prompt is prefilled `runner.PREFILL_CHUNK` tokens at a
     time; when `cancelled()` turns true between two chunks, the generation ends without yielding. The
     draft is prefilled only if the drafter expects to draft (an auto budget may find that drafting
-    cannot pay on this machine); otherwise it catches up when it first drafts. After plain steps, an auto
-    budget's draft reads only the latest tokens where reading all it missed would cost more than half a
-    target pass (`budget.catch_up_window`).
+    cannot pay on this machine); otherwise it catches up when it first drafts. After plain steps where
+    drafting has been losing, an auto budget's draft reads only the latest tokens it missed, as many as
+    cost at most half a target pass (`budget.catch_up_window`).
     """
     prompt = _as_token_tensor(input_ids, target)
     if method not in METHODS:

@@ -155,7 +155,7 @@ class SlotRunner:
 
     A draft catching up after many plain steps reads only the latest tokens: the others are left out of
     its cache for good, and it reads the text as if they had never been there (positions stay
-    consecutive, as llama.cpp requires). Its slot for committed token i >= `cut` + `skipped` is then
+    consecutive, as llama.cpp requires). Its slot for a committed token i after the last skip is then
     i - `skipped`. The target never skips.
     """
 

@@ -371,7 +371,10 @@ class GenerationQueue:
             generator.close()
         learnt = self.engine_options.get("learnt")
         if learnt is not None:
-            learnt.save()  # a restarted server starts from what this one learnt
+            try:
+                learnt.save()  # a restarted server starts from what this one learnt
+            except OSError as err:  # an unwritable cache costs the next server its head start, no more
+                log.warning("could not save what the auto budget learnt: %s", err)
         self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
         if finish == "cancelled" and self._stopping:
             job._push(Update(error=ShuttingDown()))
