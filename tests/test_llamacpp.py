@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 from tiny_gguf import write_random_gguf
-from tiny_models import chi2_pvalue
+from tiny_models import assert_cache_is_text_with_cut, chi2_pvalue
 
 import specexec
 from specexec.budget import CostModel
@@ -359,13 +359,7 @@ def test_a_draft_back_from_a_pause_skips_what_it_missed(model, method: str) -> N
     (entry,) = cache._entries
     runner = entry.draft
     assert (runner.cut, runner.skipped) == (len(PROMPT) - 1, 11 - 3)
-    text = torch.tensor(entry.tokens)
-    seen = torch.cat([text[: runner.cut], text[runner.cut + runner.skipped : runner.read]])
-    assert runner.length == len(seen)
-    fresh = LlamaCppRunner(draft, len(seen) + 1)
-    fresh.extend(seen)
-    probe = torch.tensor([5])
-    assert torch.allclose(runner.extend(probe), fresh.extend(probe), atol=1e-4)
+    assert_cache_is_text_with_cut(runner, entry.tokens, draft, atol=1e-4)
 
 
 # -- a draft with a reduced head (--draft-vocab) -----------------------------------------------------------

@@ -133,6 +133,23 @@ def greedy_margins(model: PreTrainedModel, prompt: list[int], new_tokens: list[i
     return top2[:, 0] - top2[:, 1]
 
 
+def assert_cache_is_text_with_cut(runner, tokens: list[int], model, atol: float) -> None:
+    """`runner`, a draft's runner that skipped committed tokens once (`SlotRunner.skip`), holds `tokens`
+    with them cut out: one more token gives the logits a fresh runner of `model` gives after reading
+    that text."""
+    from specexec.runner import make_runner
+
+    text = torch.tensor(tokens)
+    seen = torch.cat([text[: runner.cut], text[runner.cut + runner.skipped : runner.read]])
+    assert runner.length == len(seen)
+    with torch.inference_mode():  # the engine's buffers are inference tensors
+        fresh = make_runner(model, len(seen) + 1)
+        fresh.extend(seen)
+        probe = torch.tensor([5])
+        runner.reserve(runner.length + 1)
+        assert torch.allclose(runner.extend(probe), fresh.extend(probe), atol=atol)
+
+
 def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     """Chi-square goodness of fit of observed `counts` to exact `probs` (same shape, any number of cells).
 
