@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -548,13 +549,24 @@ def test_chain_pays_only_where_speculation_can_win() -> None:
     assert not chain_pays(0.3, 1 / 0.26, chain_seconds(STEEP, 32))
 
 
+@contextlib.contextmanager
+def forward_sizes(model) -> Iterator[list[int]]:
+    """The tokens of each forward of `model` while the block runs, in order."""
+    sizes: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda _, args, __: sizes.append(args[0].shape[-1])
+    )
+    try:
+        yield sizes
+    finally:
+        hook.remove()
+
+
 def test_auto_methods_skip_the_draft_pass_where_no_chain_can_pay(models, reference) -> None:
     """On such a machine the default decodes plainly from the first step: no draft pass is spent, not
     even the prompt's prefill (the draft model is never run)."""
     avx2 = CostModel({1: 0.051, 2: 0.087, 4: 0.128, 8: 0.319, 16: 0.42}, {1: 0.025, 8: 0.14})
-    draft_forwards: list[int] = []
-    hook = models[1].get_input_embeddings().register_forward_hook(lambda *_: draft_forwards.append(1))
-    try:
+    with forward_sizes(models[1]) as draft_forwards:
         for method in ("specexec", "dsl"):
             out = auto_generate(models, method, avx2)
             assert out.tokens == reference
@@ -563,8 +575,6 @@ def test_auto_methods_skip_the_draft_pass_where_no_chain_can_pay(models, referen
         assert draft_forwards == []
         # The negative control: where drafting pays, the draft model runs.
         assert auto_generate(models, "specexec", FLAT).stats.draft_calls > 0 and draft_forwards
-    finally:
-        hook.remove()
 
 
 def test_a_generation_that_starts_in_a_pause_does_not_run_the_draft(models, reference) -> None:
@@ -572,11 +582,7 @@ def test_a_generation_that_starts_in_a_pause_does_not_run_the_draft(models, refe
     model is not even prefilled. One that ends within it: the draft is prefilled with the prompt as
     usual, not made to catch up on everything inside decoding."""
     target, draft, prompt = models
-    draft_forwards: list[int] = []  # tokens per draft forward
-    hook = draft.get_input_embeddings().register_forward_hook(
-        lambda _, args, __: draft_forwards.append(args[0].shape[-1])
-    )
-    try:
+    with forward_sizes(draft) as draft_forwards:
         for method in ("specexec", "dsl"):
             learnt = specexec.LearntPolicies()
 
@@ -597,8 +603,6 @@ def test_a_generation_that_starts_in_a_pause_does_not_run_the_draft(models, refe
                 assert not any(out.stats.tree_sizes[:paused])
                 if drafts:
                     assert draft_forwards[0] == len(prompt) - 1  # the prompt's prefill
-    finally:
-        hook.remove()
 
 
 def test_a_tree_padded_to_a_cheaper_batch_still_grows_deeper() -> None:
@@ -642,34 +646,27 @@ def test_after_a_pause_the_draft_skips_what_it_missed_and_the_cache_stays_consis
     A follow-up that shares the whole text reuses the draft's cache only up to the cut."""
     target, draft, prompt = models
     assert catch_up_window(DEAR_BATCHES) == 3
-    draft_forwards: list[int] = []  # tokens per draft forward
-    hook = draft.get_input_embeddings().register_forward_hook(
-        lambda _, args, __: draft_forwards.append(args[0].shape[-1])
-    )
     learnt, cache = specexec.LearntPolicies(), PrefixCache(1 << 30)
 
-    def run(input_ids, cache=None):
+    def run(input_ids, cache=None, max_new_tokens=48):
         return specexec.generate(
             target, draft, input_ids, method=method, budget="auto", cost_model=DEAR_BATCHES,
-            max_new_tokens=48, learnt=learnt, prefix_cache=cache,
+            max_new_tokens=max_new_tokens, learnt=learnt, prefix_cache=cache,
         )  # fmt: skip
 
-    try:
-        assert run(prompt).stats.draft_calls > 0  # drafting pays here
-        (policy,) = learnt._policies.values()
-        gate = policy.gate
-        gate.window = 10**6  # no later pause: at most one cut, which the check below reconstructs
-        # Where drafting has been paying, the draft reads everything it missed: context matters there.
-        gate.paused, gate.history = 10, []
-        draft_forwards.clear()
+    assert run(prompt).stats.draft_calls > 0  # drafting pays here
+    (policy,) = learnt._policies.values()
+    gate = policy.gate
+    gate.window = 10**6  # no later pause: at most one cut, which the check below reconstructs
+    # Where drafting has been paying, the draft reads everything it missed: context matters there.
+    gate.paused, gate.history = 10, []
+    with forward_sizes(draft) as draft_forwards:
         assert run(prompt).tokens == reference
-        assert draft_forwards[:2] == [len(prompt) - 1, 11]
-        # Where it has been losing (λ a tenth of plain decoding's rate), the probe reads the latest 3.
-        gate.paused, gate.tokens, gate.seconds = 10, 1.0, 10.0
-        draft_forwards.clear()
+    assert draft_forwards[:2] == [len(prompt) - 1, 11]
+    # Where it has been losing (λ a tenth of plain decoding's rate), the probe reads the latest 3.
+    gate.paused, gate.tokens, gate.seconds = 10, 1.0, 10.0
+    with forward_sizes(draft) as draft_forwards:
         out = run(prompt, cache)
-    finally:
-        hook.remove()
     assert out.tokens == reference
     assert draft_forwards[0] == len(prompt) - 1  # the prompt's prefill
     assert draft_forwards[1] == 3  # after 10 plain steps: the last 3 of the 11 tokens it had not read
@@ -679,22 +676,12 @@ def test_after_a_pause_the_draft_skips_what_it_missed_and_the_cache_stays_consis
     runner = entry.draft
     assert (runner.cut, runner.skipped) == (len(prompt) - 1, 11 - 3)
     assert_cache_is_text_with_cut(runner, entry.tokens, draft, atol=1e-5)
-    text = torch.tensor(entry.tokens)
 
     # A follow-up turn: the target's cache is reused whole, the draft's only up to the cut.
-    follow_up = torch.cat([text, torch.tensor([7, 8])])
+    follow_up = torch.tensor([*entry.tokens, 7, 8])
     expected = target.generate(follow_up[None], do_sample=False, max_new_tokens=8)[0, len(follow_up) :]
-    draft_forwards.clear()
-    hook = draft.get_input_embeddings().register_forward_hook(
-        lambda _, args, __: draft_forwards.append(args[0].shape[-1])
-    )
-    try:
-        out = specexec.generate(
-            target, draft, follow_up, method=method, budget="auto", cost_model=DEAR_BATCHES,
-            max_new_tokens=8, learnt=learnt, prefix_cache=cache,
-        )  # fmt: skip
-    finally:
-        hook.remove()
+    with forward_sizes(draft) as draft_forwards:
+        out = run(follow_up, cache, max_new_tokens=8)
     assert out.tokens == expected.tolist()
-    assert out.stats.cached_tokens == len(text) - 1  # all the target had read (not the last token)
+    assert out.stats.cached_tokens == len(entry.tokens) - 1  # all the target had read (not the last token)
     assert draft_forwards[0] == len(follow_up) - 1 - runner.cut

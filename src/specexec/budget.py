@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -308,10 +309,15 @@ class DraftingPolicy:
     their speculation gate (`gate`) and the times T(k) of chains of k = 0, 1, ... draft tokens
     (`chain_times`, `chain_seconds`); and how much a draft reads after plain steps (`catch_up`)."""
 
+    cost: CostModel
     acceptance: AcceptanceModel
     gate: SpeculationGate
     chain_times: list[float]
-    window: int | None  # `catch_up_window`
+
+    @functools.cached_property
+    def window(self) -> int | None:
+        """`catch_up_window` of this policy's costs."""
+        return catch_up_window(self.cost)
 
     @property
     def catch_up(self) -> int | None:
@@ -357,7 +363,6 @@ class AutoBudget(DraftingPolicy):
         self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
         self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
         self.chain_times = chain_seconds(cost, CHAIN_CHECK)
-        self.window = catch_up_window(cost)
 
     def node_probs(self, tree: DraftTree) -> torch.Tensor:
         """P for every node of `tree` (the root: 1), (size,)."""
@@ -438,7 +443,6 @@ class ChainCostStop(DraftingPolicy):
         self.cost = cost
         # T(k) for k = 0 .. max_length, looked up for every length after every draft token.
         self.chain_times = chain_seconds(cost, max_length)
-        self.window = catch_up_window(cost)
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
         self.start()

@@ -315,7 +315,7 @@ def stream(
             target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
             if draft_runner is not None:
                 seen = path_nodes[tree.expanded[path_nodes]]
-                draft_root = root_slot - draft_runner.skipped
+                draft_root = draft_runner.slot(root_slot)
                 draft_runner.keep(_with_prefix(min(draft_runner.length, draft_root), draft_root + seen))
             stats.target_seconds = target_runner.forward_seconds
             stats.draft_seconds = draft_runner.forward_seconds if draft_runner is not None else 0.0

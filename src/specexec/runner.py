@@ -155,8 +155,7 @@ class SlotRunner:
 
     A draft catching up after many plain steps reads only the latest tokens: the others are left out of
     its cache for good, and it reads the text as if they had never been there (positions stay
-    consecutive, as llama.cpp requires). Its slot for a committed token i after the last skip is then
-    i - `skipped`. The target never skips.
+    consecutive, as llama.cpp requires). The target never skips.
     """
 
     length: int
@@ -169,6 +168,10 @@ class SlotRunner:
         """Committed tokens accounted for: in slots, or skipped."""
         return self.length + self.skipped
 
+    def slot(self, index: int) -> int:
+        """The slot of committed token `index`, one read after the last skip (a tree root, say)."""
+        return index - self.skipped
+
     def skip(self, tokens: int) -> None:
         """Count the next `tokens` committed tokens as read without storing them."""
         if tokens > 0 and not self.skipped:
@@ -178,7 +181,7 @@ class SlotRunner:
     def keep_prefix(self, tokens: int) -> None:
         """Keep the cache of the first `tokens` committed tokens only (fewer where it holds fewer, or
         skipped some of them), for a new sequence that shares them."""
-        kept = min(tokens, self.length, self.cut if self.skipped else self.length)
+        kept = min(tokens, self.cut if self.skipped else self.length)
         self.keep(torch.arange(kept, device=self.device))
         self.skipped = 0
 

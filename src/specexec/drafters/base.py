@@ -91,7 +91,7 @@ class TreeDraftRunner:
 
     @property
     def root_slot(self) -> int:
-        return self.request.committed.numel() - 1 - self.runner.skipped
+        return self.runner.slot(self.request.committed.numel() - 1)
 
     def expand_root(self) -> torch.Tensor:
         """Draft logits (1, V) for the root's children; also feeds the committed tokens it has not seen
