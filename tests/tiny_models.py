@@ -133,10 +133,11 @@ def greedy_margins(model: PreTrainedModel, prompt: list[int], new_tokens: list[i
     return top2[:, 0] - top2[:, 1]
 
 
-def assert_cache_is_text_with_cut(runner, tokens: list[int], model, atol: float) -> None:
+def assert_cache_is_text_with_cut(runner, tokens: list[int], model) -> None:
     """`runner`, a draft's runner that skipped committed tokens once (`SlotRunner.skip`), holds `tokens`
     with them cut out: one more token gives the logits a fresh runner of `model` gives after reading
-    that text."""
+    that text, up to float32 reassociation noise (1.9e-5 seen on AVX2; a cache of the uncut text is off
+    by whole units)."""
     from specexec.runner import make_runner
 
     text = torch.tensor(tokens)
@@ -147,7 +148,7 @@ def assert_cache_is_text_with_cut(runner, tokens: list[int], model, atol: float)
         fresh.extend(seen)
         probe = torch.tensor([5])
         runner.reserve(runner.length + 1)
-        assert torch.allclose(runner.extend(probe), fresh.extend(probe), atol=atol)
+        assert torch.allclose(runner.extend(probe), fresh.extend(probe), atol=1e-4)
 
 
 def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
