@@ -196,10 +196,11 @@ def _groupwise_4bit(
     Scale and low are rounded to `stored`, the dtype the kernel reads, before the codes are chosen."""
     n, k = weight.shape
     groups = weight.reshape(n, k // group_size, group_size)  # (N, G, group)
-    low, high = groups.amin(-1), groups.amax(-1)  # (N, G)
+    low, high = torch.aminmax(groups, dim=-1)  # (N, G)
     low = low.to(stored).float()
     scales = ((high - low) / 15).clamp(min=min_scale).to(stored).float()
-    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)  # (N, G, group)
+    # In place: one (N, G, group) temporary instead of four (loading a 1.5B model took 40 s here).
+    q = (groups - low[..., None]).div_(scales[..., None]).round_().clamp_(0, 15)  # (N, G, group)
     return q, scales, low
 
 
@@ -207,7 +208,7 @@ def _int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
     n, k = weight.shape
     q, scales, low = _groupwise_4bit(weight, group_size, torch.float32, min_scale=1e-12)
     zeros = low + 8 * scales  # so that (q - 8) * s + z = q * s + low
-    dequantized = ((q - 8) * scales[..., None] + zeros[..., None]).reshape(n, k)
+    dequantized = (q - 8).mul_(scales[..., None]).add_(zeros[..., None]).reshape(n, k)  # (N, K)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 1)
     scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # (G, N, 2)
     return packed, scales_zeros, dequantized
