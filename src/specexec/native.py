@@ -33,6 +33,10 @@ from specexec.quant import quant_label
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
+class NativeUnsupported(ValueError):
+    """`NativeDecoder` cannot run this model (the message says why)."""
+
+
 def native_unsupported(model: PreTrainedModel) -> str:
     """Why `NativeDecoder` cannot run `model` ("" when it can)."""
     config = model.config
@@ -53,7 +57,9 @@ def native_unsupported(model: PreTrainedModel) -> str:
         return "wrapped decoder layers (offloading)"
     if model._forward_hooks or model._forward_pre_hooks or base._forward_hooks or base._forward_pre_hooks:
         return "hooks on the model's forward (simulated offloading)"
-    if any(hasattr(module, "_hf_hook") for module in model.modules()) or any(
+    # accelerate keeps its hook in the module's __dict__; `hasattr` would also search submodules and
+    # parameters through nn.Module.__getattr__, and a runner is made for every generation.
+    if any("_hf_hook" in vars(module) for module in model.modules()) or any(
         p.is_meta for p in model.parameters()
     ):
         return "weights loaded by hooks (accelerate's offloading)"
@@ -64,12 +70,13 @@ def forward_label(model: PreTrainedModel) -> str:
     """Which forward a runner gives `model` (for calibration cache keys)."""
     if native_unsupported(model):
         return "hf"
-    return f"native, {str(_attention_dtype(model)).removeprefix('torch.')} attention"
+    attention = _attention_dtype(model, quant_label(model))
+    return f"native, {str(attention).removeprefix('torch.')} attention"
 
 
-def _attention_dtype(model: PreTrainedModel) -> torch.dtype:
+def _attention_dtype(model: PreTrainedModel, quant: str) -> torch.dtype:
     # Under w4a8 the attention runs in float64 (why: the module docstring), else in the model's dtype.
-    return torch.float64 if quant_label(model) == "w4a8" else model.dtype
+    return torch.float64 if quant == "w4a8" else model.dtype
 
 
 class NativeDecoder:
@@ -78,17 +85,20 @@ class NativeDecoder:
     def __init__(
         self, model: PreTrainedModel, capacity: int, attention_dtype: torch.dtype | None = None
     ) -> None:
-        """attention_dtype: None for float64 under w4a8, else the model's dtype."""
+        """attention_dtype: None for float64 under w4a8, else the model's dtype. Raises NativeUnsupported
+        for a model it cannot run (`native_unsupported`)."""
         reason = native_unsupported(model)
         if reason:
-            raise ValueError(f"the native forward does not support {reason}")
+            raise NativeUnsupported(f"the native forward does not support {reason}")
         base = model.get_decoder()
         self.model = model
         self.layers = list(base.layers)
         config = model.config
         self.eps = config.rms_norm_eps
-        self.dtype = torch.float32 if quant_label(model) == "w4a8" else model.dtype
-        self.attention_dtype = attention_dtype or _attention_dtype(model)  # keys and values are kept so
+        quant = quant_label(model)
+        self.dtype = torch.float32 if quant == "w4a8" else model.dtype
+        # Keys and values are kept in the attention's dtype.
+        self.attention_dtype = attention_dtype or _attention_dtype(model, quant)
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.q_heads = config.num_attention_heads

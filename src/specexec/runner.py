@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specexec.native import NativeDecoder, native_unsupported, zero_padded
+from specexec.native import NativeDecoder, NativeUnsupported, zero_padded
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -202,14 +202,19 @@ class ModelRunner(SlotRunner):
         self.capacity = capacity
         self.length = 0
         self.slot_positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        use_native = native and not native_unsupported(model)
-        self.backend: NativeDecoder | HFForward = (
-            NativeDecoder(model, capacity) if use_native else HFForward(model, capacity, self.slot_positions)
-        )
+        self.backend: NativeDecoder | HFForward = self._forward(native)
         self.forward_seconds = 0.0  # time inside the model's forward, for the stats' time split
         # A draft may have fewer embedding rows than the target's vocabulary; the ids it cannot read
         # only cost it accuracy (the target decides), so they are clamped instead of crashing.
         self.last_token_id = model.get_input_embeddings().num_embeddings - 1
+
+    def _forward(self, native: bool) -> NativeDecoder | HFForward:
+        if native:
+            try:
+                return NativeDecoder(self.model, self.capacity)
+            except NativeUnsupported:
+                pass
+        return HFForward(self.model, self.capacity, self.slot_positions)
 
     @property
     def nbytes(self) -> int:
