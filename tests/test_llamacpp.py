@@ -290,6 +290,39 @@ def test_a_one_token_block_in_sequence_zero_leaves_nothing_behind(model) -> None
     assert torch.equal(runner.extend(torch.tensor([5])), fresh(PROMPT + [13, 5]))
 
 
+def test_a_runner_starts_from_the_context_an_earlier_one_left_with_its_cache_emptied(model) -> None:
+    """A context outlives its runner as a spare of its model (a new one costs up to 0.2 s): the next
+    runner of the same shape takes it, and computes what a runner on a newly loaded model does."""
+    target = model("llama", "q8_0")
+    tokens = torch.tensor(PROMPT * 2)
+    unused = LlamaCppModel(target.gguf, threads=1)  # no spares: every context it makes is new
+    expected = LlamaCppRunner(unused, 40).extend(tokens, logits_to_keep=0)
+    earlier = LlamaCppRunner(target, 40)
+    earlier.extend(tokens[:5])
+    forward_whole_tree(earlier, random_tree(3, 12, target.config.vocab_size, int(tokens[5])), 5)
+    left = earlier.ctx
+    del earlier
+    runner = LlamaCppRunner(target, 40)
+    assert runner.ctx == left
+    assert torch.equal(runner.extend(tokens, logits_to_keep=0), expected)
+
+
+def test_a_model_keeps_its_newest_spare_contexts_only(gguf_dir: Path) -> None:
+    from specexec.llamacpp import BATCH, CELL_BLOCK, SPARE_CONTEXTS
+
+    target = _model(str(gguf_dir), "qwen2", "f32", "target")
+    target = LlamaCppModel(target.gguf, threads=1)  # its own spares
+    runners = [LlamaCppRunner(target, i * CELL_BLOCK, trees=False) for i in range(1, SPARE_CONTEXTS + 2)]
+    contexts = [r.ctx for r in runners]
+    while runners:
+        runners.pop(0)  # released oldest first
+    assert target.take_context(CELL_BLOCK + BATCH, 1) is None  # freed
+    for i, ctx in enumerate(contexts[1:], start=2):
+        assert target.take_context(i * CELL_BLOCK + BATCH, 1) == ctx
+        assert target.take_context(i * CELL_BLOCK + BATCH, 1) is None  # taken
+        target.give_context(ctx, i * CELL_BLOCK + BATCH, 1)
+
+
 @pytest.mark.parametrize(
     ("args", "sequences"),
     [(dict(method="ar"), 1), (dict(method="specexec", budget=16), MAX_SEQUENCES)],
