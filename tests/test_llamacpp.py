@@ -310,8 +310,8 @@ def test_a_runner_starts_from_the_context_an_earlier_one_left_with_its_cache_emp
 def test_a_model_keeps_its_newest_spare_contexts_only(gguf_dir: Path) -> None:
     from specexec.llamacpp import BATCH, CELL_BLOCK, SPARE_CONTEXTS
 
-    target = _model(str(gguf_dir), "qwen2", "f32", "target")
-    target = LlamaCppModel(target.gguf, threads=1)  # its own spares
+    source = _model(str(gguf_dir), "qwen2", "f32", "target").gguf
+    target = LlamaCppModel(source, threads=1)  # a model of its own: no spares yet
     runners = [LlamaCppRunner(target, i * CELL_BLOCK, trees=False) for i in range(1, SPARE_CONTEXTS + 2)]
     contexts = [r.ctx for r in runners]
     while runners:

@@ -193,8 +193,8 @@ class LlamaCppModel:
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         with self._spares_lock:
             self._spares.append(((cells, sequences), ctx))
-            dropped = self._spares[:-SPARE_CONTEXTS]
-            del self._spares[:-SPARE_CONTEXTS]
+            excess = max(0, len(self._spares) - SPARE_CONTEXTS)
+            dropped, self._spares = self._spares[:excess], self._spares[excess:]
         for _, old in dropped:
             llama_cpp.llama_free(old)
 
