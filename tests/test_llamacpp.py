@@ -308,7 +308,7 @@ def test_a_runner_starts_from_the_context_an_earlier_one_left_with_its_cache_emp
 
 
 def test_a_model_keeps_its_newest_spare_contexts_only(gguf_dir: Path) -> None:
-    from specexec.llamacpp import BATCH, CELL_BLOCK, SPARE_CONTEXTS
+    from specexec.llamacpp import CELL_BLOCK, SPARE_CONTEXTS
 
     source = _model(str(gguf_dir), "qwen2", "f32", "target").gguf
     target = LlamaCppModel(source, threads=1)  # a model of its own: no spares yet
@@ -316,11 +316,11 @@ def test_a_model_keeps_its_newest_spare_contexts_only(gguf_dir: Path) -> None:
     contexts = [r.ctx for r in runners]
     while runners:
         runners.pop(0)  # released oldest first
-    assert target.take_context(CELL_BLOCK + BATCH, 1) is None  # freed
+    assert target.take_context(CELL_BLOCK, 1) is None  # freed
     for i, ctx in enumerate(contexts[1:], start=2):
-        assert target.take_context(i * CELL_BLOCK + BATCH, 1) == ctx
-        assert target.take_context(i * CELL_BLOCK + BATCH, 1) is None  # taken
-        target.give_context(ctx, i * CELL_BLOCK + BATCH, 1)
+        assert target.take_context(i * CELL_BLOCK, 1) == ctx
+        assert target.take_context(i * CELL_BLOCK, 1) is None  # taken
+        target.give_context(ctx, i * CELL_BLOCK, 1)
 
 
 @pytest.mark.parametrize(

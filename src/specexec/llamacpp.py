@@ -126,7 +126,7 @@ class LlamaCppModel:
         vocab: int = 0,
         always: Iterable[int] = (),
     ) -> None:
-        llama_cpp = _llama_cpp()
+        self._llama_cpp = llama_cpp = _llama_cpp()
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
@@ -144,7 +144,6 @@ class LlamaCppModel:
         self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
         if not self.handle:
             raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
-        self._free = llama_cpp.llama_model_free
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
         self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [
@@ -172,27 +171,27 @@ class LlamaCppModel:
         kv_width = llama_cpp.llama_model_n_head_kv(self.handle) * head_dim
         self.kv_bytes_per_token = 2 * 2 * kv_width * llama_cpp.llama_model_n_layer(self.handle)
         self.version = llama_cpp.__version__
-        self._spares: list[tuple[tuple[int, int], int]] = []  # ((cells, sequences), context pointer)
+        self._spares: list[tuple[tuple[int, int], int]] = []  # ((capacity, sequences), context pointer)
         self._spares_lock = threading.Lock()
-        self._llama_cpp = llama_cpp
 
-    def take_context(self, cells: int, sequences: int) -> int | None:
-        """A spare context of `cells` cells and `sequences` sequences, its cache empty, or None."""
+    def take_context(self, capacity: int, sequences: int) -> int | None:
+        """A spare context of a runner of `capacity` slots and `sequences` sequences, its cache empty, or
+        None."""
         with self._spares_lock:
             for i, (shape, ctx) in enumerate(self._spares):
-                if shape == (cells, sequences):
+                if shape == (capacity, sequences):
                     del self._spares[i]
                     return ctx
         return None
 
-    def give_context(self, ctx: int, cells: int, sequences: int) -> None:
+    def give_context(self, ctx: int, capacity: int, sequences: int) -> None:
         """Keep a context its runner no longer uses as a spare (the newest SPARE_CONTEXTS are kept, older
         ones freed). Its cells are emptied and zeroed, as in a new context (a value left in an unused
         cell is masked out, but a NaN there would not be)."""
         llama_cpp = self._llama_cpp
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         with self._spares_lock:
-            self._spares.append(((cells, sequences), ctx))
+            self._spares.append(((capacity, sequences), ctx))
             excess = max(0, len(self._spares) - SPARE_CONTEXTS)
             dropped, self._spares = self._spares[:excess], self._spares[excess:]
         for _, old in dropped:
@@ -220,7 +219,7 @@ class LlamaCppModel:
             self._llama_cpp.llama_free(ctx)  # contexts before the model they were made from
         self._spares = []
         if getattr(self, "handle", None):
-            self._free(self.handle)
+            self._llama_cpp.llama_model_free(self.handle)
             self.handle = None
 
 
@@ -296,7 +295,7 @@ class LlamaCppRunner(SlotRunner):
         llama_cpp = getattr(self, "llama_cpp", None)
         if llama_cpp is not None and getattr(self, "ctx", None):
             llama_cpp.llama_batch_free(self.batch)
-            self.model.give_context(self.ctx, self.capacity + BATCH, self.sequences)
+            self.model.give_context(self.ctx, self.capacity, self.sequences)
             self.ctx = None
 
     # The runner interface.
@@ -476,18 +475,18 @@ class LlamaCppRunner(SlotRunner):
         if (self.length or self.slots) and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
             llama_cpp.llama_free(ctx)
             raise LlamaCppError("llama.cpp could not copy the KV cache into a new context")
-        self.model.give_context(self.ctx, self.capacity + BATCH, self.sequences)
+        self.model.give_context(self.ctx, self.capacity, self.sequences)
         self.ctx, self.memory = ctx, llama_cpp.llama_get_memory(ctx)
         self.capacity, self.sequences = capacity, sequences
         self._reset_sequences()
 
     def _new_context(self, capacity: int, sequences: int):
-        # Cells: the committed tokens plus every tree node of a step (pruned ones are freed at once).
-        spare = self.model.take_context(capacity + BATCH, sequences)
+        spare = self.model.take_context(capacity, sequences)
         if spare:
             return spare
         llama_cpp = self.llama_cpp
         params = llama_cpp.llama_context_default_params()
+        # Cells: the committed tokens plus every tree node of a step (pruned ones are freed at once).
         params.n_ctx = capacity + BATCH
         params.n_batch = params.n_ubatch = BATCH
         params.n_seq_max = sequences
