@@ -613,8 +613,17 @@ def test_generate_command_runs_on_llamacpp_and_names_the_backend(tokenized_gguf:
     assert not (tokenized_gguf.parent / "cache" / "tiny").exists()  # the weights were not converted
     learnt = tokenized_gguf.parent / "cache" / "learnt"
     assert not learnt.exists()  # a fixed budget learns nothing
+    assert "calibrated" not in err
     assert main([*args, "--budget", "auto", "--max-new-tokens", "6", "ab a"]) == 0
     assert len(list(learnt.glob("*.json"))) == 1  # what the auto budget learnt, for the next run
+    # The first auto run measures this machine's costs before its first token, timed apart from the
+    # generation ("6 tokens in 0.05 s"), which excludes it; the next run finds the calibration cached.
+    first = capsys.readouterr().err.strip().splitlines()[-1]
+    elapsed = float(first.split(" tokens in ")[1].split(" s ")[0])
+    calibrated = float(first.split("calibrated in ")[1].split(" s ")[0])
+    assert first.endswith("(once)") and calibrated > elapsed, first
+    assert main([*args, "--max-new-tokens", "6", "ab a"]) == 0  # the default method and budget: auto
+    assert "calibrated" not in capsys.readouterr().err
     assert main([*args, "--backend", "torch", "--method", "ar", "--max-new-tokens", "6", "ab a"]) == 0
     assert "[ar, torch] 6 tokens" in capsys.readouterr().err
 

@@ -683,6 +683,13 @@ def cached_cost_model(
     return cost
 
 
+def is_calibrated(target: PreTrainedModel, draft: PreTrainedModel) -> bool:
+    """Whether `cached_cost_model` has this pair's calibration on disk (else it measures first)."""
+    from specexec.offload import offload_label
+
+    return _calibration_path(target, draft, offload_label(target)).exists()
+
+
 def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: str) -> Path:
     def describe(model: PreTrainedModel) -> str:
         if getattr(model, "backend", "torch") == "llamacpp":

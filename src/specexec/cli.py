@@ -351,8 +351,8 @@ def backend_label(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specexec.budget import persisted_policies
-    from specexec.engine import GenerationError, stream
+    from specexec.budget import cached_cost_model, is_calibrated, persisted_policies
+    from specexec.engine import AUTO_METHODS, DEFAULT_BUDGETS, GenerationError, stream
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
@@ -365,6 +365,16 @@ def _generate(args: argparse.Namespace) -> int:
     input_ids = tokenizer(prompt, add_special_tokens=not args.chat)["input_ids"]
     # What --budget auto learns (acceptance rates, whether drafting pays) carries over to the next run.
     learnt = persisted_policies(target, draft) if draft is not None else None
+    # A first run on this machine measures forward costs before its first token; that is timed apart so
+    # the generation's own figures stay comparable with later runs.
+    cost, calibration = None, ""
+    budget = DEFAULT_BUDGETS[args.method] if args.budget is None else args.budget
+    if draft is not None and args.method in AUTO_METHODS and budget == "auto":
+        fresh = not is_calibrated(target, draft)
+        calibration_start = time.perf_counter()
+        cost = cached_cost_model(target, draft)
+        if fresh:
+            calibration = f" | calibrated in {time.perf_counter() - calibration_start:.2f} s (once)"
     printed = ""
     tokens: list[int] = []
     start = time.perf_counter()
@@ -374,7 +384,7 @@ def _generate(args: argparse.Namespace) -> int:
         draft,
         input_ids,
         method=args.method,
-        budget=args.budget,
+        budget=budget,
         lookahead_schedule=args.lookahead_schedule,
         ngram=args.ngram,
         max_new_tokens=args.max_new_tokens,
@@ -384,6 +394,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop_strings=args.stop,
         tokenizer=tokenizer,
+        cost_model=cost,
         learnt=learnt,
     ):
         tokens += chunk.tokens
@@ -403,7 +414,7 @@ def _generate(args: argparse.Namespace) -> int:
         f"{stats.tokens_per_step:.2f} tokens/step over {stats.target_calls} target calls | "
         f"decode {stats.decode_tokens_per_second:.2f} tok/s | prefill {stats.prefill_seconds:.2f} s | "
         f"draft {stats.draft_seconds:.2f} s, target {stats.target_seconds:.2f} s, "
-        f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}",
+        f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}{calibration}",
         file=sys.stderr,
     )
     return 0
