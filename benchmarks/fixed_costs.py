@@ -11,10 +11,10 @@ decoding step our own work (decode time minus the forwards' time, `Stats.overhea
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import specexec
+from specexec.bench.report import describe_cpu
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts
 
@@ -31,7 +31,7 @@ def main() -> None:
     target = load_model(DEFAULT_TARGET, backend="llamacpp", threads=args.threads)
     draft = load_model(DEFAULT_DRAFT, backend="llamacpp", threads=args.threads)
     prompts = load_prompts("humaneval", tokenizer, n=2)
-    print(f"{platform.processor() or platform.machine()}, {args.threads} threads, {specexec.__file__}")
+    print(f"{describe_cpu()}, {args.threads} threads, {specexec.__file__}")
     for method, budget, temperature in CONFIGS:
         outside, per_step, share = [], [], []
         for i in range(args.generations):

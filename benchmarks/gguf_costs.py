@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 import time
 from pathlib import Path
 
 import llama_cpp
 import torch
 
+from specexec.bench.report import describe_cpu
 from specexec.llamacpp import LlamaCppModel, LlamaCppRunner
 from specexec.models import cache_root, gguf_file
 
@@ -85,7 +85,7 @@ def main() -> None:
         for kind in args.types.split(","):
             print(source if kind.upper() == "Q4_K_M" else quantized(source, kind, args.threads))
         return
-    print(f"{platform.processor() or platform.machine()}, {args.threads} threads, context {CONTEXT}")
+    print(f"{describe_cpu()}, {args.threads} threads, context {CONTEXT}")
     print("| weights | MB | " + " | ".join(f"t({n})" for n in (1, *SIZES)) + " | t(16)/t(1) |")
     print("|---|---:|" + "---:|" * (len(SIZES) + 2))
     for kind in args.types.split(","):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import specexec
+from specexec.bench.report import describe_cpu
 from specexec.runner import ModelRunner
 
 VOCAB = 151_936
@@ -97,10 +97,7 @@ def main() -> None:
             )
             print(rows[-1], flush=True)
     reference = target_forward_seconds()
-    print(
-        f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}"
-    )
+    print(f"\nmachine: {describe_cpu()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(
         f"one 1-token forward of a 1.5B-shaped Qwen2 (bf16, 300-token context): {1000 * reference:.1f} ms\n"
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from specexec.bench.report import describe_cpu
 from specexec.prompts import _humaneval
 
 
@@ -160,7 +160,7 @@ def main() -> int:
         str(args.default_max_tokens),
     ]
     results: dict = {
-        "machine": {"cpu": platform.processor() or platform.machine()},
+        "machine": {"cpu": describe_cpu()},
         "args": vars(args),
         "runs": {},
     }

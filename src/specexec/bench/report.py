@@ -222,6 +222,11 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def describe_cpu() -> str:
+    """The CPU's model and vector instruction sets, for the line that goes with every figure."""
+    return f"{_cpu_model() or platform.machine()} ({cpu_instruction_sets()})"
+
+
 def read_records(path: str | os.PathLike) -> list[dict]:
     """records.jsonl back into a list (feed it to `summarize` to recompute the table)."""
     with open(path, encoding="utf-8") as f:
