@@ -32,6 +32,7 @@ from specexec.bench import (
     write_outputs,
 )
 from specexec.bench.cli import main
+from specexec.bench.report import markdown
 from specexec.prompts import Prompt, load_prompts
 
 VOCAB = 128
@@ -253,6 +254,25 @@ def test_repeats_time_the_same_runs_again(target, draft, tokenizer, prompts, tmp
         assert row["tok_per_s"] < row["tok_per_s_faster_repeat"]
     with pytest.raises(BenchError, match="repeats must be >= 1"):
         run_benchmark(target, draft, tokenizer, prompts[:1], configs, repeats=0, progress=False)
+
+
+def test_paired_speedup_is_the_median_ratio_within_passes(greedy) -> None:
+    """Passes drift (every other one 3x slower, both methods alike) and one pass of `fast` stalls: the
+    paired figure is still the 2x that every other pass shows, while the ratio of totals is not."""
+    _, result = greedy
+    template = next(r for r in result.records if r["method"] == "ar")
+    records = []
+    for repeat in range(5):
+        drift = 3.0 if repeat % 2 else 1.0
+        stall = 20.0 if repeat == 2 else 1.0
+        for label, method, seconds in (("ar", "ar", 1.0), ("fast", "sd", 0.5 * stall)):
+            record = {**template, "label": label, "method": method, "prompt_index": 0, "repeat": repeat}
+            records.append({**record, "new_tokens": 10, "decode_seconds": seconds * drift})
+    ar, fast = summarize(records)
+    assert ar["speedup_vs_ar_paired"] == pytest.approx(1.0)
+    assert fast["speedup_vs_ar_paired"] == pytest.approx(2.0)
+    assert fast["speedup_vs_ar"] == pytest.approx(9.0 / (0.5 * 8.0 + 10.0))  # totals: 9 s against 14 s
+    assert "| paired vs ar |" in markdown(summarize(records), {}, plots=False)
 
 
 def test_records_interleaving_and_recompute(greedy, tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ Metric definitions (per configuration, summed over prompts and repeats, warm-up 
 - tok_per_s: new tokens / decode seconds (decoding only, prefill excluded).
 - tok_per_s_with_prefill: new tokens / wall seconds of the whole calls (request to last token).
 - speedup_vs_ar: tok_per_s / tok_per_s of `ar` in the same run (speedup_vs_ar_with_prefill likewise):
-  the unquantized ar when it ran, else the first ar row.
+  the unquantized ar when it ran, else the first ar row. speedup_vs_ar_paired: the median over passes
+  (prompt, repeat) of the same ratio within the pass, which the machine's drift between passes moves less.
 - draft/target/overhead seconds: inside the draft's forwards, inside the target's forwards, and the rest
   of the decode time; *_share are fractions of decode_seconds.
 - mean_tree_size / mean_tree_depth: draft tokens verified per target forward and the depth of that
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from importlib import metadata
@@ -67,7 +69,26 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             ("speedup_vs_ar_with_prefill", "tok_per_s_with_prefill"),
         ):
             row[key] = _ratio(row[base], ar[base]) if ar is not None else None
+        row["speedup_vs_ar_paired"] = (
+            _paired_speedup(groups[row["label"]], groups[ar["label"]]) if ar else None
+        )
     return rows
+
+
+def _paired_speedup(group: list[dict], reference: list[dict]) -> float | None:
+    """The median over passes (prompt, repeat) of this configuration's decode tok/s over the reference's
+    in the same pass. The configurations of a pass run back to back, seconds apart, so this machine's
+    drift between passes, which moves ratios of totals by several percent, cancels out of each ratio."""
+    ours, base = _pass_speeds(group), _pass_speeds(reference)
+    ratios = [ours[key] / base[key] for key in ours.keys() & base.keys() if ours[key] and base[key]]
+    return statistics.median(ratios) if ratios else None
+
+
+def _pass_speeds(group: list[dict]) -> dict[tuple[int, int], float | None]:
+    """Decode tok/s of each pass (prompt, repeat)."""
+    return {
+        (r["prompt_index"], r.get("repeat", 0)): _ratio(r["new_tokens"], r["decode_seconds"]) for r in group
+    }
 
 
 def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
@@ -271,16 +292,17 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         f"{sampling}, seed {m('seed')}, weights {m('dtype')}, {_plural(first.get('repeats', 1), 'repeat')}.",
         "",
         "| config | tok/call | tok/call (mean per prompt) | decode tok/s | tok/s incl. prefill "
-        "| speedup vs ar | faster repeat: tok/s (vs ar) | draft / target / overhead | tree size | tree depth "
-        "| target calls | new tokens | identical to ar |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        "| speedup vs ar | paired vs ar | faster repeat: tok/s (vs ar) | draft / target / overhead "
+        "| tree size | tree depth | target calls | new tokens | identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         shares = " / ".join(_pct(row[f"{p}_share"]) for p in ("draft", "target", "overhead"))
         lines.append(
             f"| {row['label']} | {_num(row['tokens_per_step'])} | {_num(row['tokens_per_step_mean'])} "
             f"| {_num(row['tok_per_s'])} | {_num(row['tok_per_s_with_prefill'])} "
-            f"| {_num(row['speedup_vs_ar'], 'x')} | {_num(row['tok_per_s_faster_repeat'])} "
+            f"| {_num(row['speedup_vs_ar'], 'x')} | {_num(row['speedup_vs_ar_paired'], 'x')} "
+            f"| {_num(row['tok_per_s_faster_repeat'])} "
             f"({_num(row['speedup_vs_ar_faster_repeat'], 'x')}) | {shares} "
             f"| {_num(row['mean_tree_size'], digits=1)} | {_num(row['mean_tree_depth'], digits=1)} "
             f"| {row['target_calls']} | {row['new_tokens']} "
@@ -307,9 +329,11 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "- tok/call: new tokens / target verification forwards (bonus token included, prefill excluded), "
         "total over total; the next column is the mean of the per-prompt ratios.",
         "- decode tok/s: new tokens / decode seconds summed over prompts; tok/s incl. prefill: new tokens / "
-        "wall seconds of the whole calls. Speedup: decode tok/s over ar's, same run. Faster repeat: the "
-        "same, counting for each prompt only its fastest repeat (with --repeats R > 1), which a one-off "
-        "stall of the machine moves less.",
+        "wall seconds of the whole calls. Speedup: decode tok/s over ar's, same run. Paired: the median, "
+        "over passes (prompt, repeat), of that ratio within the pass, where the two ran seconds apart: "
+        "the machine's drift between passes moves it less. Faster repeat: the same as speedup, counting "
+        "for each prompt only its fastest repeat (with --repeats R > 1), which a one-off stall of the "
+        "machine moves less.",
         "- Every configuration ran on the same prompts with the same seed per prompt, interleaved (the order "
         "rotated per prompt), after a warm-up generation per configuration that is not counted. With "
         "`--repeats R` every prompt ran R times per configuration (same seed, same tokens; the order "
