@@ -1,5 +1,5 @@
-"""Our decoding loop against plain llama.cpp's, paired prompt by prompt (docs/benchmarks.md, "Paired
-against plain llama.cpp (session 12)").
+"""Our decoding loop against plain llama.cpp's, paired prompt by prompt (docs/benchmarks.md, "A second
+AVX2 host, and our loop paired with plain llama.cpp's (session 12)").
 
 A benchmark run compares methods through totals of a few generations each, and this machine's drift moves
 such a ratio by several percent. Here every round decodes the same prompt with plain llama.cpp
@@ -8,7 +8,7 @@ backend and with the default (`specexec`, budget auto, what it learns kept acros
 benchmark), in an order that rotates every round, so each ratio is taken from runs seconds apart. Prints
 the decode time per token of each round and the median of the per-round ratios.
 
-    python benchmarks/paired_plain.py --threads 2 --rounds 12
+    python benchmarks/paired_plain.py --threads 2 --rounds 16 --prompts mtbench [--temperature 0.6]
 """
 
 from __future__ import annotations
@@ -49,18 +49,18 @@ def main() -> None:
     plain = LlamaCpp(gguf_file(DEFAULT_TARGET), longest + args.max_new_tokens + 8, args.threads)
     learnt = LearntPolicies()
 
-    def run(method: str, ids: list[int], seed: int) -> tuple[float, int, float]:
-        """(decode seconds per token, tokens, tokens per target call)"""
+    def run(method: str, ids: list[int], seed: int) -> tuple[float, float]:
+        """(decode seconds per token, tokens per target call)"""
         if method == "llamacpp":
             out = plain.run(
                 ids, args.max_new_tokens, seed, eos, temperature=args.temperature, top_p=top_p, top_k=0
             )
-            return out["decode_seconds"] / out["new_tokens"], out["new_tokens"], 1.0
+            return out["decode_seconds"] / out["new_tokens"], 1.0
         stats = specexec.generate(
             target, draft, ids, method=method, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
             temperature=args.temperature, top_p=top_p, seed=seed, learnt=learnt,
         ).stats  # fmt: skip
-        return stats.decode_seconds / stats.new_tokens, stats.new_tokens, stats.tokens_per_step
+        return stats.decode_seconds / stats.new_tokens, stats.tokens_per_step
 
     methods = ["llamacpp", "ar", "specexec"]
     for prompt in prompts:  # warm-up: caches, contexts, and the default's first lessons
@@ -69,14 +69,14 @@ def main() -> None:
     per_token = {m: [] for m in methods}
     calls = {m: [] for m in methods}
     for r in range(args.rounds):
-        ids = prompts[r % len(prompts)].input_ids
+        prompt = prompts[r % len(prompts)]
         order = methods[r % 3 :] + methods[: r % 3]
         for method in order:
-            seconds, _, per_call = run(method, ids, r)
+            seconds, per_call = run(method, prompt.input_ids, r)
             per_token[method].append(seconds)
             calls[method].append(per_call)
         print(
-            f"round {r} ({prompts[r % len(prompts)].id}, order {','.join(order)}): ms/token "
+            f"round {r} ({prompt.id}, order {','.join(order)}): ms/token "
             + ", ".join(f"{m} {per_token[m][-1] * 1e3:.1f}" for m in methods)
         )
     print(

@@ -352,7 +352,7 @@ def backend_label(args: argparse.Namespace) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     from specexec.budget import cached_cost_model, is_calibrated, persisted_policies
-    from specexec.engine import AUTO_METHODS, DEFAULT_BUDGETS, GenerationError, stream
+    from specexec.engine import GenerationError, sized_by_cost, stream
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
@@ -368,8 +368,7 @@ def _generate(args: argparse.Namespace) -> int:
     # A first run on this machine measures forward costs before its first token; that is timed apart so
     # the generation's own figures stay comparable with later runs.
     cost, calibration = None, ""
-    budget = DEFAULT_BUDGETS[args.method] if args.budget is None else args.budget
-    if draft is not None and args.method in AUTO_METHODS and budget == "auto":
+    if sized_by_cost(args.method, args.budget):
         fresh = not is_calibrated(target, draft)
         calibration_start = time.perf_counter()
         cost = cached_cost_model(target, draft)
@@ -384,7 +383,7 @@ def _generate(args: argparse.Namespace) -> int:
         draft,
         input_ids,
         method=args.method,
-        budget=budget,
+        budget=args.budget,
         lookahead_schedule=args.lookahead_schedule,
         ngram=args.ngram,
         max_new_tokens=args.max_new_tokens,

@@ -46,6 +46,11 @@ DSL_MAX_LENGTH = 20  # the longest dsl chain under budget "auto"
 AUTO_MAX_BUDGET = 1024  # the largest tree budget "auto" considers
 
 
+def sized_by_cost(method: str, budget: int | str | None) -> bool:
+    """Whether `stream` sizes `method`'s drafts from the cost model: budget "auto", given or by default."""
+    return method in AUTO_METHODS and (DEFAULT_BUDGETS[method] if budget is None else budget) == "auto"
+
+
 class GenerationError(ValueError):
     """Invalid arguments to `generate`/`stream` (bad method, empty prompt, context too long, ...)."""
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specexec.engine import AUTO_METHODS, DEFAULT_BUDGETS, METHODS, GenerationError, stream
+from specexec.engine import AUTO_METHODS, DEFAULT_BUDGETS, METHODS, GenerationError, sized_by_cost, stream
 from specexec.server.metrics import Metrics
 from specexec.server.queue import (
     Admission,
@@ -490,8 +490,7 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
-    sized_by_cost = (budget if budget is not None else DEFAULT_BUDGETS[method]) == "auto"
-    if sized_by_cost:
+    if sized_by_cost(method, budget):
         from specexec.budget import cached_cost_model, persisted_policies
 
         if options.get("cost_model") is None:
