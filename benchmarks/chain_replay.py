@@ -25,12 +25,12 @@ from collections.abc import Callable
 import torch
 
 from specexec import generate
+from specexec.backends.torch.runner import ModelRunner
 from specexec.budget import ChainCostStop, ConfidenceStop, CostModel
 from specexec.drafters import ChainDrafter, Draft
-from specexec.engine import DSL_MAX_LENGTH
+from specexec.methods import DSL_MAX_LENGTH
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts
-from specexec.runner import ModelRunner
 from specexec.tree import DraftTree
 
 PAST_MISMATCH = 4  # draft tokens traced after the first one that misses

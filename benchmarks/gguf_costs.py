@@ -22,9 +22,11 @@ from pathlib import Path
 import llama_cpp
 import torch
 
+from specexec.backends.llamacpp.model import LlamaCppModel
+from specexec.backends.llamacpp.runner import LlamaCppRunner
 from specexec.bench.report import describe_cpu
-from specexec.llamacpp import LlamaCppModel, LlamaCppRunner
-from specexec.models import cache_root, gguf_file
+from specexec.models import gguf_file
+from specexec.paths import cache_root
 
 CONTEXT = 256
 SIZES = (2, 4, 8, 16, 32, 64)

@@ -43,14 +43,15 @@ from accelerate import init_empty_weights
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import specexec
-from specexec.offload import (
+from specexec.backends.torch.offload import (
     OffloadError,
     host_buffer,
     offload_model,
     to_device,
     weight_bytes,
 )
-from specexec.runner import ModelRunner, clock
+from specexec.backends.torch.runner import ModelRunner
+from specexec.timing import clock
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import specexec
+from specexec.backends.torch.runner import ModelRunner
 from specexec.bench.report import describe_cpu
-from specexec.runner import ModelRunner
 
 VOCAB = 151_936
 

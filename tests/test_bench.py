@@ -525,10 +525,10 @@ def test_draft_vocabularies_compared_in_one_run(model_dirs, prompt_file: Path, t
 
 
 def test_draft_vocab_auto_is_a_smaller_head_for_llamacpp_drafts_only() -> None:
+    from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB
     from specexec.cli import draft_vocab
-    from specexec.draft_vocab import LLAMACPP_DRAFT_VOCAB
 
-    assert draft_vocab("auto", "llamacpp", 151_936) == LLAMACPP_DRAFT_VOCAB
+    assert draft_vocab("auto", "llamacpp", 151_936) == DEFAULT_DRAFT_VOCAB
     assert draft_vocab("auto", "llamacpp", 32_000) == 0  # nothing to cut
     assert draft_vocab("auto", "torch", 151_936) == 0
     assert draft_vocab(0, "llamacpp", 151_936) == 0 and draft_vocab(500, "torch", 151_936) == 500
@@ -555,7 +555,7 @@ class FakeLlamaCpp:
 
 
 def test_quantized_levels_are_exact_relative_to_their_own_ar(target, draft, tokenizer, prompts) -> None:
-    from specexec.quant import quantize_model
+    from specexec.backends.torch.quant import quantize_model
 
     pair = tuple(quantize_model(copy.deepcopy(m), "int4") for m in (target, draft))
     configs = make_configs(["specexec", "llamacpp"], [8], quants=["none", "int4"], ngrams=[0, 4], expand=4)

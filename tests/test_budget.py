@@ -13,6 +13,7 @@ from tiny_models import assert_cache_is_text_with_cut
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import specexec
+from specexec.backends.torch.runner import ModelRunner
 from specexec.budget import (
     AcceptanceModel,
     AutoBudget,
@@ -26,7 +27,6 @@ from specexec.budget import (
 )
 from specexec.drafters import ChainDrafter, DraftRequest
 from specexec.prefix_cache import PrefixCache
-from specexec.runner import ModelRunner
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree
 

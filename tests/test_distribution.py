@@ -33,8 +33,8 @@ from transformers.generation.logits_process import (
 
 import specexec
 from specexec import verify
+from specexec.backends.torch.draft_vocab import restrict_draft_vocab
 from specexec.budget import CostModel
-from specexec.draft_vocab import restrict_draft_vocab
 from specexec.sampling import SamplingParams, probs_from_logits, sample, sample_without_replacement
 from specexec.tree import DraftTree
 
@@ -319,10 +319,10 @@ def engine_run(
 
 def patched(patch: str):
     if patch == "cache_walk":
-        return mock.patch("specexec.engine.cache_walk", biased_cache_walk)
+        return mock.patch("specexec.methods.cache_walk", biased_cache_walk)
     if patch:
         return mock.patch(
-            "specexec.engine.rejection_walk", functools.partial(biased_rejection_walk, bug=patch)
+            "specexec.methods.rejection_walk", functools.partial(biased_rejection_walk, bug=patch)
         )
     return contextlib.nullcontext()
 

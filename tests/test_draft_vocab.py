@@ -9,8 +9,9 @@ import torch
 from tiny_models import hf_greedy, perturbed, tiny_model
 
 import specexec
-from specexec.draft_vocab import DraftVocabError, ReducedHead, draft_vocab_size, restrict_draft_vocab
-from specexec.quant import QuantLinear, quantize_model
+from specexec.backends.torch.draft_vocab import ReducedHead, draft_vocab_size, restrict_draft_vocab
+from specexec.backends.torch.quant import QuantLinear, quantize_model
+from specexec.draft_vocab import DraftVocabError
 
 SHAPE = dict(vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2)
 PROMPT = [3, 17, 42, 5, 9, 11, 60, 2, 17, 42]

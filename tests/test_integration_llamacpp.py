@@ -69,7 +69,7 @@ def test_real_pair_greedy_equals_the_backends_own(pair, method: str, budget) -> 
 def test_a_smaller_draft_head_scores_its_ids_as_the_whole_draft_does(pair) -> None:
     """`--draft-vocab 64000`'s draft (a copy with a smaller head, inputs fed as embeddings): its kept
     logits are the whole draft's bit for bit, and specexec with it stays on the backend's greedy path."""
-    from specexec.llamacpp import LlamaCppRunner
+    from specexec.backends.llamacpp.runner import LlamaCppRunner
 
     target, draft, prompts, eos, references = pair
     small = load_model(DEFAULT_DRAFT, backend="llamacpp", vocab=64000)
@@ -98,7 +98,7 @@ def assert_same_up_to_near_ties(target, prompt: list[int], reference: list[int],
 
 def one_token_logits(target, tokens: list[int]) -> torch.Tensor:
     """The logits after `tokens`, the last token decoded alone (as greedy decoding does)."""
-    from specexec.llamacpp import LlamaCppRunner
+    from specexec.backends.llamacpp.runner import LlamaCppRunner
 
     runner = LlamaCppRunner(target, len(tokens) + 1)
     runner.extend(torch.tensor(tokens[:-1]))

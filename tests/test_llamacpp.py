@@ -26,7 +26,12 @@ from specexec.tree import DraftTree
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs specexec[llamacpp]")
 
-from specexec.llamacpp import MAX_SEQUENCES, LlamaCppError, LlamaCppModel, LlamaCppRunner  # noqa: E402
+from specexec.backends.llamacpp.library import (
+    MAX_SEQUENCES,  # noqa: E402
+    LlamaCppError,  # noqa: E402
+)
+from specexec.backends.llamacpp.model import LlamaCppModel  # noqa: E402
+from specexec.backends.llamacpp.runner import LlamaCppRunner  # noqa: E402
 
 VARIANTS = [("llama", "f32"), ("qwen2", "f32"), ("llama", "q8_0"), ("qwen2", "q8_0")]
 PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
@@ -83,7 +88,7 @@ def forward_whole_tree(runner, tree: DraftTree, root_slot: int) -> torch.Tensor:
 @pytest.mark.parametrize(("arch", "weights"), VARIANTS)
 def test_tree_rows_match_sequential_decoding_of_their_paths(model, arch: str, weights: str) -> None:
     target = model(arch, weights)
-    tree = random_tree(0, 40, target.config.vocab_size, PROMPT[-1])
+    tree = random_tree(0, 40, target.vocab_size, PROMPT[-1])
     runner = LlamaCppRunner(target, 128)
     runner.extend(torch.tensor(PROMPT[:-1]))
     logits = forward_whole_tree(runner, tree, len(PROMPT) - 1)  # (40, V)
@@ -102,7 +107,7 @@ def test_a_causal_mask_over_the_same_rows_differs(model, arch: str, weights: str
     """Negative control: the same 40 nodes as one flat chain (every row sees all earlier rows) give other
     next-token choices, so agreement with the paths comes from the tree mask."""
     target = model(arch, weights)
-    tree = random_tree(0, 40, target.config.vocab_size, PROMPT[-1])
+    tree = random_tree(0, 40, target.vocab_size, PROMPT[-1])
     runner = LlamaCppRunner(target, 128)
     runner.extend(torch.tensor(PROMPT[:-1]))
     tree_logits = forward_whole_tree(runner, tree, len(PROMPT) - 1)
@@ -115,7 +120,7 @@ def test_a_causal_mask_over_the_same_rows_differs(model, arch: str, weights: str
 @pytest.mark.parametrize(("arch", "weights"), VARIANTS[:1] + VARIANTS[2:3])
 def test_keeping_a_path_continues_like_sequential_decoding(model, arch: str, weights: str) -> None:
     target = model(arch, weights)
-    tree = random_tree(1, 30, target.config.vocab_size, PROMPT[-1])
+    tree = random_tree(1, 30, target.vocab_size, PROMPT[-1])
     runner = LlamaCppRunner(target, 128)
     runner.extend(torch.tensor(PROMPT[:-1]))
     root = len(PROMPT) - 1
@@ -134,7 +139,7 @@ def test_keeping_a_path_continues_like_sequential_decoding(model, arch: str, wei
 def test_draft_rounds_with_pruning_match_sequential_decoding(model) -> None:
     """The draft's way: nodes forwarded a few at a time, pruned and renumbered (`move`) in between."""
     target = model("llama", "f32")
-    vocab = target.config.vocab_size
+    vocab = target.vocab_size
     runner = LlamaCppRunner(target, 256)
     runner.extend(torch.tensor(PROMPT))  # the draft has the root committed
     root = len(PROMPT) - 1
@@ -222,7 +227,7 @@ def test_every_method_reproduces_the_backends_greedy_decoding(model, arch, weigh
 
 
 def test_a_context_grows_and_truncates_without_changing_logits(model, monkeypatch) -> None:
-    from specexec import llamacpp
+    from specexec.backends.llamacpp import runner as llamacpp
 
     monkeypatch.setattr(llamacpp, "CELL_BLOCK", 4)  # contexts in blocks of 4 cells, to grow often
     target = model("qwen2", "q8_0")
@@ -231,7 +236,7 @@ def test_a_context_grows_and_truncates_without_changing_logits(model, monkeypatc
     runner = LlamaCppRunner(target, 7)
     assert runner.capacity == 8
     small = runner.nbytes
-    assert small > target.config.vocab_size * 4  # the logits reserve (one row per sequence) counts too
+    assert small > target.vocab_size * 4  # the logits reserve (one row per sequence) counts too
     runner.extend(tokens[:6])
     runner.reserve(19)  # a new, larger context; the cached tokens copied into it
     assert runner.capacity == 20 and runner.nbytes > small
@@ -261,7 +266,7 @@ def test_a_context_holds_one_sequence_until_its_first_tree(model) -> None:
         tokens[-4:], torch.arange(n, n + 4), torch.arange(n, n + 4), torch.ones(4, n + 4).tril(n).bool()
     )
     assert runner.sequences == MAX_SEQUENCES
-    assert runner.nbytes - plain == (MAX_SEQUENCES - 1) * target.config.vocab_size * 4
+    assert runner.nbytes - plain == (MAX_SEQUENCES - 1) * target.vocab_size * 4
     assert torch.equal(chain, whole[-4:])  # the copied prefix gives the same bits
 
 
@@ -299,7 +304,7 @@ def test_a_runner_starts_from_the_context_an_earlier_one_left_with_its_cache_emp
     expected = LlamaCppRunner(unused, 40).extend(tokens, logits_to_keep=0)
     earlier = LlamaCppRunner(target, 40)
     earlier.extend(tokens[:5])
-    forward_whole_tree(earlier, random_tree(3, 12, target.config.vocab_size, int(tokens[5])), 5)
+    forward_whole_tree(earlier, random_tree(3, 12, target.vocab_size, int(tokens[5])), 5)
     left = earlier.ctx
     del earlier
     runner = LlamaCppRunner(target, 40)
@@ -308,7 +313,8 @@ def test_a_runner_starts_from_the_context_an_earlier_one_left_with_its_cache_emp
 
 
 def test_a_model_keeps_its_newest_spare_contexts_only(gguf_dir: Path) -> None:
-    from specexec.llamacpp import CELL_BLOCK, SPARE_CONTEXTS
+    from specexec.backends.llamacpp.model import SPARE_CONTEXTS
+    from specexec.backends.llamacpp.runner import CELL_BLOCK
 
     source = _model(str(gguf_dir), "qwen2", "f32", "target").gguf
     target = LlamaCppModel(source, threads=1)  # a model of its own: no spares yet
@@ -331,7 +337,7 @@ def test_a_model_keeps_its_newest_spare_contexts_only(gguf_dir: Path) -> None:
 def test_plain_decoding_never_reserves_tree_sequences(model, monkeypatch, args, sequences) -> None:
     """ar keeps one sequence; a drafting generation makes its contexts with every sequence at once,
     rather than moving to them (a new context, about 0.1 s each) inside its first step."""
-    from specexec import llamacpp
+    from specexec.backends.llamacpp import runner as llamacpp
     from specexec.prefix_cache import PrefixCache
 
     moves = []
@@ -415,18 +421,18 @@ def test_a_reduced_head_scores_its_rows_as_the_full_head_does(reduced, arch: str
     full, small = reduced(arch, weights)
     kept = small.head
     assert kept.tolist() == [*range(63), 100] and small.head_rows == 64
-    assert small.config.vocab_size == full.config.vocab_size
-    assert small.describe() != full.describe()  # its own calibration
+    assert small.vocab_size == full.vocab_size
+    assert small.cost_key() != full.cost_key()  # its own calibration
     # Inputs ids outside the head (>= 64 here) are read from the full embedding table.
     tokens = torch.tensor([*PROMPT, 120, 99, 64, 127])
-    cut = torch.ones(full.config.vocab_size, dtype=torch.bool)
+    cut = torch.ones(full.vocab_size, dtype=torch.bool)
     cut[kept] = False
     for trees in (False, True):
         expected = LlamaCppRunner(full, 64, trees).extend(tokens, 0)  # (T, V)
         logits = LlamaCppRunner(small, 64, trees).extend(tokens, 0)
         assert torch.equal(logits[:, kept], expected[:, kept])
         assert torch.isneginf(logits[:, cut]).all()
-    tree = random_tree(1, 24, full.config.vocab_size, PROMPT[-1])
+    tree = random_tree(1, 24, full.vocab_size, PROMPT[-1])
     rows = []
     for model in (full, small):
         runner = LlamaCppRunner(model, 128)
@@ -436,10 +442,10 @@ def test_a_reduced_head_scores_its_rows_as_the_full_head_does(reduced, arch: str
 
 
 def test_a_reduced_head_is_written_once(reduced, monkeypatch) -> None:
-    from specexec import draft_vocab
+    from specexec.backends.llamacpp import head
 
     first = reduced("llama", "f32")[1]
-    monkeypatch.setattr(draft_vocab, "write_reduced_head_gguf", mock.Mock(side_effect=AssertionError))
+    monkeypatch.setattr(head, "write_reduced_head_gguf", mock.Mock(side_effect=AssertionError))
     again = reduced("llama", "f32")[1]
     assert torch.equal(again.head, first.head)
 
@@ -478,7 +484,7 @@ def test_a_torch_draft_can_serve_a_llamacpp_target(model) -> None:
     from tiny_models import tiny_model
 
     target = model("llama", "f32")
-    draft = tiny_model("llama", seed=5, vocab_size=target.config.vocab_size)
+    draft = tiny_model("llama", seed=5, vocab_size=target.vocab_size)
     out = specexec.generate(target, draft, PROMPT, method="specexec", budget=16, max_new_tokens=NEW)
     assert out.tokens == ar_reference(target)
 
@@ -563,7 +569,7 @@ def test_sampling_negative_control(gguf_dir: Path) -> None:
     target, draft = sampling_pair(str(gguf_dir))
     joint = exact_joint(target, SamplingParams(temperature=1.0, top_k=0, top_p=1.0))
     counts = torch.zeros(V, V, V)
-    with mock.patch("specexec.engine.cache_walk", biased_cache_walk):
+    with mock.patch("specexec.methods.cache_walk", biased_cache_walk):
         for i in range(DRAWS):
             out = specexec.generate(
                 target, draft, SAMPLE_PROMPT, max_new_tokens=SAMPLE_NEW, seed=1000 + i, temperature=1.0,
@@ -584,11 +590,11 @@ def test_auto_backend_is_llamacpp_for_gguf_sources_without_torch_only_options(tm
     gguf = str(tmp_path / "m.gguf")
     assert choose_backend("auto", gguf, []) == "llamacpp"
     assert choose_backend("auto", "qwen2.5-coder-1.5b", []) == "llamacpp"
-    assert choose_backend("auto", gguf, ["--quant int8"]) == "torch"
+    assert choose_backend("auto", gguf, [("quant", "--quant int8")]) == "torch"
     assert choose_backend("auto", str(tmp_path), []) == "torch"  # a Hugging Face folder
     assert choose_backend("torch", gguf, []) == "torch"
     with pytest.raises(ModelSourceError, match="--quant w4a8 is for the torch backend"):
-        choose_backend("llamacpp", gguf, ["--quant w4a8"])
+        choose_backend("llamacpp", gguf, [("quant", "--quant w4a8")])
     with pytest.raises(ModelSourceError, match="runs GGUF models"):
         choose_backend("llamacpp", str(tmp_path), [])
 

@@ -10,9 +10,9 @@ from test_tree import check_structure, random_tree
 from tiny_models import chi2_pvalue, hf_greedy, perturbed, tiny_model
 
 import specexec
+from specexec.backends.torch.runner import ModelRunner
 from specexec.drafters import BestFirstDrafter, DraftRequest
 from specexec.drafters.lookup import graft_chain, ngram_continuation
-from specexec.runner import ModelRunner
 from specexec.sampling import SamplingParams, probs_from_logits
 from specexec.tree import DraftTree
 

@@ -21,7 +21,7 @@ from accelerate import init_empty_weights
 from tiny_models import tiny_model
 
 import specexec
-from specexec.offload import (
+from specexec.backends.torch.offload import (
     OffloadedLayer,
     OffloadError,
     choose_placement,
@@ -338,7 +338,7 @@ def test_encoded_layers_match_the_decoded_model(codec_name: str) -> None:
     if codec_name == "nf4":
         if importlib.util.find_spec("bitsandbytes") is None:
             pytest.skip("bitsandbytes is not installed")
-        from specexec.offload import NF4Codec
+        from specexec.backends.torch.offload import NF4Codec
 
         codec = NF4Codec()
     else:

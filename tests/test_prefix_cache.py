@@ -9,7 +9,7 @@ import pytest
 from tiny_models import perturbed, tiny_model
 
 import specexec
-from specexec import runner
+from specexec.backends import base as runner_base
 from specexec.prefix_cache import PrefixCache
 
 PROMPT = [5, 17, 3, 29, 11, 8, 2, 40, 13, 6]
@@ -102,7 +102,7 @@ def test_kv_buffers_grow_with_the_generation_not_the_context_window() -> None:
 
 
 def test_a_prefill_is_cancelled_between_chunks_and_its_work_kept(monkeypatch) -> None:
-    monkeypatch.setattr(runner, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(runner_base, "PREFILL_CHUNK", 4)
     target, draft = pair("llama")
     cache = PrefixCache(1 << 30)
     asked = []

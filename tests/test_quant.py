@@ -14,9 +14,8 @@ from tiny_models import chi2_pvalue, hf_greedy, perturbed, tiny_model
 from torch import nn
 
 import specexec
-from specexec.budget import CostModel
-from specexec.native import NativeDecoder
-from specexec.quant import (
+from specexec.backends.torch.native import NativeDecoder
+from specexec.backends.torch.quant import (
     LOW_BIT_MAX_ROWS,
     QuantError,
     QuantLinear,
@@ -26,6 +25,7 @@ from specexec.quant import (
     w4a8_kernel,
     w4a8_reference,
 )
+from specexec.budget import CostModel
 from specexec.sampling import SamplingParams, probs_from_logits
 
 # int4 and w4a8 need in_features % 64 == 0 and out_features % 16 == 0: hidden 64, vocab 96 fit.
@@ -89,7 +89,7 @@ def test_w4a8_portable_path_gives_the_same_bits_as_the_vector_path(monkeypatch) 
     vector = quant(x)
     portable = w4a8_kernel("x86-64")
     assert portable.w4a8_has_vnni() == 0
-    monkeypatch.setattr("specexec.quant.w4a8_kernel", lambda: portable)
+    monkeypatch.setattr("specexec.backends.torch.quant.w4a8_kernel", lambda: portable)
     assert torch.equal(quant(x), vector)
 
 
@@ -121,11 +121,13 @@ def test_quantize_model_replaces_linears_and_the_head() -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_w4a8_projections_sharing_an_input_run_as_one_call_with_the_same_bits(arch: str, monkeypatch) -> None:
     calls = []
-    matmul = specexec.quant._w4a8_matmul
-    monkeypatch.setattr("specexec.quant._w4a8_matmul", lambda *a: calls.append(1) or matmul(*a))
+    matmul = specexec.backends.torch.quant._w4a8_matmul
+    monkeypatch.setattr(
+        "specexec.backends.torch.quant._w4a8_matmul", lambda *a: calls.append(1) or matmul(*a)
+    )
     shared = quantize_model(tiny_model(arch, seed=0, **SHAPE), "w4a8")
     with monkeypatch.context() as m:
-        m.setattr("specexec.quant.share_inputs", lambda model: None)
+        m.setattr("specexec.backends.torch.quant.share_inputs", lambda model: None)
         separate = quantize_model(tiny_model(arch, seed=0, **SHAPE), "w4a8")
     layers = shared.config.num_hidden_layers
     tokens = torch.tensor([PROMPT])

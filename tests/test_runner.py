@@ -10,9 +10,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from specexec.backends.torch.native import NativeDecoder, forward_label, native_unsupported
+from specexec.backends.torch.runner import HFForward, ModelRunner
 from specexec.drafters.base import tree_forward
-from specexec.native import NativeDecoder, forward_label, native_unsupported
-from specexec.runner import HFForward, ModelRunner
 from specexec.tree import DraftTree
 
 VOCAB = 96

@@ -907,7 +907,7 @@ PREFILL_STEP = 0.05  # seconds added to every target forward of the slow-prefill
 
 
 def test_a_long_prefill_is_cancelled_within_a_chunk_and_streams_wait_with_keep_alives(tok, monkeypatch):
-    from specexec import runner as runner_module
+    from specexec.backends import base as runner_module
 
     monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 16)
     target, draft = tiny_pair(len(tok), eos_id=9999, seed=1)

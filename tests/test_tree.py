@@ -13,8 +13,8 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from specexec.backends.torch.runner import ModelRunner
 from specexec.drafters import BestFirstDrafter, ChainDrafter, DraftRequest, SampledTreeDrafter
-from specexec.runner import ModelRunner
 from specexec.sampling import SamplingParams, probs_from_logits
 from specexec.tree import DraftTree
 

@@ -138,7 +138,7 @@ def assert_cache_is_text_with_cut(runner, tokens: list[int], model) -> None:
     with them cut out: one more token gives the logits a fresh runner of `model` gives after reading
     that text, up to float32 reassociation noise (1.9e-5 seen on AVX2; a cache of the uncut text is off
     by whole units)."""
-    from specexec.runner import make_runner
+    from specexec.backends import make_runner
 
     text = torch.tensor(tokens)
     seen = torch.cat([text[: runner.cut], text[runner.cut + runner.skipped : runner.read]])

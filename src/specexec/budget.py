@@ -16,11 +16,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from specexec.draft_vocab import draft_vocab_size
-from specexec.models import cache_root
-from specexec.native import forward_label
-from specexec.quant import kernel_tag, quant_label
-from specexec.runner import clock, make_runner
+from specexec.backends import as_model, make_runner
+from specexec.paths import cache_root
+from specexec.timing import clock
 from specexec.tree import DraftTree
 
 
@@ -544,9 +542,7 @@ class LearntPolicies:
 
 def persisted_policies(target: PreTrainedModel, draft: PreTrainedModel) -> LearntPolicies:
     """The `LearntPolicies` of this pair on this machine, kept on disk beside its calibration."""
-    from specexec.offload import offload_label
-
-    calibration = _calibration_path(target, draft, offload_label(target))
+    calibration = _calibration_path(target, draft, as_model(target).cost_label)
     return LearntPolicies(calibration.parent.parent / "learnt" / calibration.name)
 
 
@@ -605,7 +601,7 @@ def calibrate(
     models = {"target": target, "draft": draft}
     runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
     generator = torch.Generator().manual_seed(0)
-    vocab = min(m.config.get_text_config().vocab_size for m in models.values())
+    vocab = min(as_model(m).vocab_size for m in models.values())
 
     def time_forward(name: str, n: int) -> float:
         runner = runners[name]
@@ -671,9 +667,7 @@ def cached_cost_model(
     vocabulary and which forward runs them), their dtypes and devices, the thread count and the
     target's offloading (real or simulated), so a change in any of them calibrates again.
     """
-    from specexec.offload import offload_label
-
-    label = offload_label(target)
+    label = as_model(target).cost_label
     path = _calibration_path(target, draft, label)
     if path.exists() and not recalibrate:
         return CostModel.from_json(json.loads(path.read_text()))
@@ -685,23 +679,18 @@ def cached_cost_model(
 
 def is_calibrated(target: PreTrainedModel, draft: PreTrainedModel) -> bool:
     """Whether `cached_cost_model` has this pair's calibration on disk (else it measures first)."""
-    from specexec.offload import offload_label
-
-    return _calibration_path(target, draft, offload_label(target)).exists()
+    return _calibration_path(target, draft, as_model(target).cost_label).exists()
 
 
 def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: str) -> Path:
-    def describe(model: PreTrainedModel) -> str:
-        if getattr(model, "backend", "torch") == "llamacpp":
-            return model.describe()
-        size = sum(p.numel() for p in model.parameters())
-        vocab = draft_vocab_size(model)
-        quant = f"{quant_label(model)}{kernel_tag(model)}"
-        forward = forward_label(model)
-        return f"{model.config.name_or_path}:{size}:{model.dtype}:{model.device}:{quant}:{vocab}:{forward}"
-
     key = "|".join(
-        [describe(target), describe(draft), str(torch.get_num_threads()), label, CALIBRATION_FORMAT]
+        [
+            as_model(target).cost_key(),
+            as_model(draft).cost_key(),
+            str(torch.get_num_threads()),
+            label,
+            CALIBRATION_FORMAT,
+        ]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "calibration" / f"{digest}.json"

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from specexec.engine import DEFAULT_BUDGETS, METHODS
+from specexec.methods import METHODS
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -42,9 +42,9 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
     """--target, --draft, --dtype, --quant and the offloading flags, shared by every command that loads
     models. With `quant_list`, --quant and --draft-vocab take comma-separated lists (the bench runs each
     level and each draft vocabulary)."""
-    from specexec.draft_vocab import LLAMACPP_DRAFT_VOCAB
+    from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB
+    from specexec.backends.torch.quant import QUANT_MODES
     from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specexec.quant import QUANT_MODES
 
     parser.add_argument(
         "--target",
@@ -96,7 +96,7 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
     )
     vocab_help = (
         "the draft scores only the first N token ids and the special tokens: a cheaper draft pass; 0 = "
-        f"all; auto: {LLAMACPP_DRAFT_VOCAB} on the llama.cpp backend where the vocabulary is larger, "
+        f"all; auto: {DEFAULT_DRAFT_VOCAB} on the llama.cpp backend where the vocabulary is larger, "
         "else all (default auto)"
     )
     if quant_list:
@@ -152,7 +152,7 @@ def _vocab_list(text: str) -> list[int | str]:
 
 
 def _quant_list(text: str) -> list[str]:
-    from specexec.quant import QUANT_MODES
+    from specexec.backends.torch.quant import QUANT_MODES
 
     levels = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [level for level in levels if level not in QUANT_MODES]
@@ -182,14 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     add_model_args(gen)
-    gen.add_argument("--method", choices=METHODS, default="specexec")
+    gen.add_argument("--method", choices=list(METHODS), default="specexec")
     gen.add_argument(
         "--budget",
         type=_budget,
         default=None,
         help="draft tokens verified per target pass, or 'auto' (specexec, dsl: sized per step from the "
         "calibrated costs) (default per method: "
-        + ", ".join(f"{m} {b}" for m, b in DEFAULT_BUDGETS.items() if b)
+        + ", ".join(f"{m.name} {m.default_budget}" for m in METHODS.values() if m.drafts)
         + ")",
     )
     gen.add_argument(
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API (needs specexec[server])")
     add_model_args(srv)
-    srv.add_argument("--method", choices=METHODS, default="specexec")
+    srv.add_argument("--method", choices=list(METHODS), default="specexec")
     srv.add_argument(
         "--budget",
         type=_budget,
@@ -238,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # stderr carries our one-line messages and stats only
     if args.simulate_offload_gbps is not None and (args.offload or args.gpu_memory or args.quant_offload):
         parser.error("--simulate-offload-gbps stands in for a GPU: it cannot be combined with --offload")
+    from specexec.backends.torch.offload import OffloadError
+    from specexec.backends.torch.quant import QuantError
     from specexec.draft_vocab import DraftVocabError
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
-    from specexec.offload import OffloadError
-    from specexec.quant import QuantError
 
     try:
         if args.command == "generate":
@@ -279,13 +279,13 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype()
     quant = quant or args.quant
-    shared = [f"--dtype {args.dtype}"] if args.dtype else []
+    shared = [("dtype", f"--dtype {args.dtype}")] if args.dtype else []
     offload = None
     if args.offload or args.gpu_memory or args.quant_offload:
         offload = {"ring_size": args.ring_size, "gpu_memory": args.gpu_memory, "codec": args.quant_offload}
-    target_only = [f"--quant {quant}"] if quant != "none" else []
-    target_only += ["--offload"] if offload else []
-    target_only += ["--simulate-offload-gbps"] if args.simulate_offload_gbps is not None else []
+    target_only = [("quant", f"--quant {quant}")] if quant != "none" else []
+    target_only += [("offload", "--offload")] if offload else []
+    target_only += [("offload", "--simulate-offload-gbps")] if args.simulate_offload_gbps is not None else []
     target_backend = choose_backend(args.backend, args.target, shared + target_only)
     args.backends = {"target": target_backend, "draft": None}
 
@@ -297,7 +297,7 @@ def load_pair(args: argparse.Namespace, need_draft: bool, quant: str | None = No
     )  # fmt: skip
     args.simulated = None
     if args.simulate_offload_gbps is not None:
-        from specexec.offload import simulate_offload
+        from specexec.backends.torch.offload import simulate_offload
 
         args.simulated = simulate_offload(target, args.simulate_offload_gbps).label
         print(f"[{args.simulated}; every timing below is SIMULATED]", file=sys.stderr)
@@ -329,19 +329,19 @@ def draft_backend(args: argparse.Namespace, quant: str) -> str:
     from specexec.models import choose_backend
 
     draft_quant = args.draft_quant or quant
-    torch_only = [f"--dtype {args.dtype}"] if args.dtype else []
-    torch_only += [f"--quant {draft_quant}"] if draft_quant != "none" else []
-    return choose_backend(args.draft_backend or args.backend, args.draft, torch_only)
+    given = [("dtype", f"--dtype {args.dtype}")] if args.dtype else []
+    given += [("quant", f"--quant {draft_quant}")] if draft_quant != "none" else []
+    return choose_backend(args.draft_backend or args.backend, args.draft, given)
 
 
 def draft_vocab(value: int | str, backend: str, vocab_size: int) -> int:
-    """--draft-vocab as a number: "auto" is `LLAMACPP_DRAFT_VOCAB` for a llama.cpp draft whose vocabulary
-    is larger (measured faster there, docs/benchmarks.md), else 0 (the whole vocabulary)."""
-    from specexec.draft_vocab import LLAMACPP_DRAFT_VOCAB
+    """--draft-vocab as a number: "auto" is the backend's default for a draft of `vocab_size` ids (64,000
+    on llama.cpp where the vocabulary is larger, measured faster there; else 0, the whole vocabulary)."""
+    from specexec.backends import backend as runtime
 
     if value != "auto":
         return int(value)
-    return LLAMACPP_DRAFT_VOCAB if backend == "llamacpp" and vocab_size > LLAMACPP_DRAFT_VOCAB else 0
+    return runtime(backend).default_draft_vocab(vocab_size)
 
 
 def backend_label(args: argparse.Namespace) -> str:

@@ -1,54 +1,33 @@
-"""The decoding loop shared by every method: draft -> verify -> commit, with statistics and streaming."""
+"""The decoding loop shared by every method: a `Generation` prefills, then steps draft -> verify ->
+commit; `stream` is a thin loop over it. What differs between methods lives in `specexec.methods`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
-from transformers import PreTrainedModel
 
+from specexec.backends import as_model, make_runner
+from specexec.backends.base import Model, Runner, prefill
 from specexec.budget import (
     AutoBudget,
     ChainCostStop,
     ConfidenceStop,
     CostModel,
-    HeuristicLookahead,
     LearntPolicies,
     cached_cost_model,
 )
-from specexec.drafters import (
-    BestFirstDrafter,
-    ChainDrafter,
-    Drafter,
-    DraftRequest,
-    NoDrafter,
-    SampledTreeDrafter,
-)
+from specexec.drafters import Drafter, DraftRequest
 from specexec.drafters.base import tree_forward
+from specexec.methods import DSL_MAX_LENGTH, DraftOptions, Method, UnknownMethod, method
 from specexec.models import eos_token_ids
 from specexec.prefix_cache import PrefixCache
-from specexec.runner import clock, make_runner, prefill
 from specexec.sampling import SamplingParams
 from specexec.text import TextStream
-from specexec.verify import cache_walk, rejection_walk
+from specexec.timing import clock
 
-HEURISTIC_MAX_LENGTH = 64  # a ceiling for the heuristic schedule, which has none of its own
-METHODS = ("ar", "sd", "dsl", "specinfer", "specexec")
-# Methods whose drafts are sampled from a known q: verified by rejection sampling, which accepts more
-# than the cache walk at temperature > 0 (both are exact; greedy, they are the same rule).
-REJECTION_METHODS = ("sd", "dsl", "specinfer")
-AUTO_METHODS = ("specexec", "dsl")  # the methods whose budget may be "auto" (sized by the cost model)
-# Draft tokens verified per target pass when `budget` is not given. "auto" sizes every step by the costs
-# measured on this machine, the one default that suits both a CPU and an offloaded GPU.
-DEFAULT_BUDGETS = {"ar": 0, "sd": 4, "dsl": "auto", "specinfer": 32, "specexec": "auto"}
-DSL_MAX_LENGTH = 20  # the longest dsl chain under budget "auto"
 AUTO_MAX_BUDGET = 1024  # the largest tree budget "auto" considers
-
-
-def sized_by_cost(method: str, budget: int | str | None) -> bool:
-    """Whether `stream` sizes `method`'s drafts from the cost model: budget "auto", given or by default."""
-    return method in AUTO_METHODS and (DEFAULT_BUDGETS[method] if budget is None else budget) == "auto"
 
 
 class GenerationError(ValueError):
@@ -111,9 +90,56 @@ class GenerationOutput:
     stats: Stats
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What a generation is asked for (`stream`'s keyword arguments but the models' companions).
+
+    method: a name of `specexec.methods.METHODS`; `budget` defaults to the method's own ("auto" for
+    specexec and dsl: every step sized by the cost model and the acceptances seen so far). `expand`,
+    `width`, `max_rounds`, `branches`, `ngram` and `lookahead_schedule` shape the drafts of the methods
+    that read them (`specexec.methods.DraftOptions`); `confidence_threshold` and `adapt_threshold` are
+    dsl's confidence stop. Temperature 0 is greedy. A generation stops at an end-of-sequence id (by
+    default every one the target lists), after `max_new_tokens`, or when its text contains one of
+    `stop_strings`.
+    """
+
+    method: str = "specexec"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    budget: int | str | None = None
+    expand: int = 32
+    width: int = 8
+    max_rounds: int = 32
+    branches: int = 4
+    ngram: int = 0
+    lookahead_schedule: str = "constant"
+    confidence_threshold: float = 0.4
+    adapt_threshold: bool = True
+    eos_token_id: int | Sequence[int] | None = None
+    stop_strings: Sequence[str] = ()
+
+    @property
+    def draft_options(self) -> DraftOptions:
+        return DraftOptions(
+            self.expand, self.width, self.max_rounds, self.branches, self.ngram, self.lookahead_schedule
+        )
+
+
+SETTINGS = frozenset(f.name for f in fields(Settings))
+
+
+def sized_by_cost(method_name: str, budget: int | str | None) -> bool:
+    """Whether `stream` sizes `method_name`'s drafts from the cost model: budget "auto", given or by
+    default."""
+    return method(method_name).sized_by_cost(budget)
+
+
 def generate(
-    target: PreTrainedModel,
-    draft: PreTrainedModel | None,
+    target,
+    draft,
     input_ids: Sequence[int] | torch.Tensor,
     **kwargs,
 ) -> GenerationOutput:
@@ -128,256 +154,281 @@ def generate(
 
 @torch.inference_mode()
 def stream(
-    target: PreTrainedModel,
-    draft: PreTrainedModel | None,
+    target,
+    draft,
     input_ids: Sequence[int] | torch.Tensor,
     *,
-    method: str = "specexec",
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    budget: int | str | None = None,
-    expand: int = 32,
-    width: int = 8,
-    max_rounds: int = 32,
-    branches: int = 4,
-    ngram: int = 0,
-    lookahead_schedule: str = "constant",
-    confidence_threshold: float = 0.4,
-    adapt_threshold: bool = True,
-    eos_token_id: int | Sequence[int] | None = None,
-    stop_strings: Sequence[str] = (),
     tokenizer=None,
     cost_model: CostModel | None = None,
     learnt: LearntPolicies | None = None,
     prefix_cache: PrefixCache | None = None,
     cancelled: Callable[[], bool] | None = None,
+    **settings,
 ) -> Iterator[Chunk]:
-    """Speculative decoding, yielding the tokens committed at each step.
+    """Speculative decoding of `target` (a `specexec.backends.base.Model`, or a `transformers` model)
+    with `draft`, yielding the tokens committed at each step. `settings` are `Settings`' fields.
 
-    method:
-      "ar"        the target alone;
-      "sd"        a chain of `budget` draft tokens and the rejection rule; `lookahead_schedule`
-                  "heuristic" adapts the length (+2 after a fully accepted draft, -1 otherwise);
-      "dsl"       a chain that stops once the draft's probability for its own token drops below
-                  `confidence_threshold` (adapted from observed acceptances if `adapt_threshold`),
-                  at most `budget` tokens (an integer budget: the confidence rule alone);
-      "specinfer" `branches` sampled chains, `budget` draft tokens in all, multi-draft rejection;
-      "specexec"  a best-first tree of `budget` tokens (`expand` nodes per draft pass, `width` children
-                  per node, at most `max_rounds` draft passes), verified by the cache walk; with
-                  `ngram` > 0, prompt-lookup chains of up to `ngram` tokens are grafted into the tree.
-    `budget` defaults to DEFAULT_BUDGETS[method] ("auto" for specexec and dsl). For "specexec",
-    budget="auto" sizes every step's tree by expected speed, from `cost_model` (by default this pair's
-    calibration, measured on first use and cached) and the acceptances seen so far; for "dsl" it also
-    ends each chain where drafting on is not expected to pay at the rate the generation achieves (at most
-    DSL_MAX_LENGTH tokens). With `learnt`, what these policies learn carries over to the next generation
-    given the same object (`budget.LearntPolicies`); without it, every generation learns afresh.
-    Temperature 0 is greedy. Stops at an end-of-sequence id (by default every one the target's
-    configuration lists), after `max_new_tokens`, or when the text contains one of `stop_strings`
-    (which needs `tokenizer`).
-    With `prefix_cache`, the KV of the longest cached prefix of the prompt is reused and this
-    generation's is kept there when it ends. The prompt is prefilled `runner.PREFILL_CHUNK` tokens at a
-    time; when `cancelled()` turns true between two chunks, the generation ends without yielding. The
-    draft is prefilled only if the drafter expects to draft (an auto budget may find that drafting
-    cannot pay on this machine); otherwise it catches up when it first drafts. After plain steps where
-    drafting has been losing, an auto budget's draft reads only the latest tokens it missed, as many as
-    cost at most half a target pass (`budget.catch_up_window`).
+    An auto budget sizes its drafts from `cost_model` (by default this pair's calibration, measured on
+    first use and cached); with `learnt`, what its policies learn carries over to the next generation
+    given the same object (`budget.LearntPolicies`). `stop_strings` need `tokenizer`. With
+    `prefix_cache`, the KV of the longest cached prefix of the prompt is reused and this generation's is
+    kept there when it ends. When `cancelled()` turns true between two prefill chunks, the generation
+    ends without yielding.
     """
-    prompt = _as_token_tensor(input_ids, target)
-    if method not in METHODS:
-        raise GenerationError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method != "ar" and draft is None:
-        raise GenerationError(f"method {method!r} needs a draft model")
-    if max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    unknown = sorted(set(settings) - SETTINGS)
+    if unknown:
+        raise GenerationError(f"unknown generation option {unknown[0]!r}")
+    generation = Generation(
+        target, draft, input_ids, Settings(**settings), tokenizer, cost_model, learnt, prefix_cache
+    )
+    try:
+        if not generation.prefill(cancelled):
+            return
+        while True:
+            chunk = generation.step()
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+    finally:
+        generation.release()
+
+
+class Generation:
+    """One generation: its runners on the target and draft, the committed tokens and the statistics.
+
+    `prefill()` reads the prompt, each `step()` drafts, verifies and commits, `release()` hands the
+    runners to the prefix cache (or drops them). It holds nothing of another generation's, so several
+    may run on the same models, each with runners of its own.
+
+    The prompt is prefilled `backends.base.PREFILL_CHUNK` tokens at a time. The draft gets a runner and
+    a prefill only once the drafter expects to draft: an auto budget may find that drafting cannot pay on
+    this machine, and then the draft costs nothing; it catches up when it first drafts (after plain steps
+    where drafting has been losing, reading only the latest tokens it missed: `budget.catch_up_window`).
+    """
+
+    def __init__(
+        self,
+        target,
+        draft,
+        input_ids: Sequence[int] | torch.Tensor,
+        settings: Settings,
+        tokenizer=None,
+        cost_model: CostModel | None = None,
+        learnt: LearntPolicies | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        self.target, self.draft = target, draft
+        self.prompt = _as_token_tensor(input_ids, as_model(target))
+        self.method = _checked(settings, target, draft, tokenizer)
+        _check_window(self.prompt, settings.max_new_tokens, target)
+        self.max_new_tokens = settings.max_new_tokens
+        device = self.prompt.device
+        self.sampling = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
+        self.generator = torch.Generator(device=device).manual_seed(settings.seed)
+        eos = _eos_ids(target, settings.eos_token_id, tokenizer)
+        self.eos = torch.tensor(eos, dtype=torch.long, device=device)
+        self.vocab_size = as_model(target).vocab_size
+        self.text = TextStream(tokenizer, settings.stop_strings) if settings.stop_strings else None
+        self.drafter = _drafter(self.method, settings, target, draft, cost_model, learnt)
+        self.stats = Stats(method=self.method.name, prompt_tokens=self.prompt.numel())
+        self.committed = self.prompt
+        # Committed tokens plus scratch slots for the largest tree a step can build, in both caches; the
+        # buffers grow to that as the generation needs them.
+        self.capacity = self.prompt.numel() + self.max_new_tokens + self.drafter.max_tree_size
+        self.pair_draft = draft if self.method.drafts else None
+        self.prefix_cache = prefix_cache
+        self.resumable = False  # whether the runners hold exactly `committed` (up to their lengths)
+        self.target_runner, self.draft_runner = self._runners()
+
+    def _runners(self) -> tuple[Runner, Runner | None]:
+        """The prefix cache's runners for the longest shared prefix, cut to it, or a new target runner."""
+        prompt = self.prompt.tolist()
+        reused = self.prefix_cache.take(self.target, self.pair_draft, prompt) if self.prefix_cache else None
+        if reused is None:
+            return make_runner(self.target, self._needed(), trees=self._drafting()), None
+        # Everything but the last prompt token can be reused: that one becomes the first tree root.
+        self.stats.cached_tokens = min(reused.shared_with(prompt), len(prompt) - 1)
+        for runner in (reused.target, reused.draft):
+            if runner is not None:
+                runner.keep_prefix(self.stats.cached_tokens)
+        return reused.target, reused.draft
+
+    def _needed(self) -> int:
+        return min(self.capacity, self.prompt.numel() + self.drafter.max_tree_size)
+
+    def _drafting(self) -> bool:
+        """Whether the draft is prefilled: unless no step can draft, since catching up later costs the
+        same draft work inside decoding (and, on llama.cpp, new tree contexts mid-generation)."""
+        return self.pair_draft is not None and self.drafter.may_draft(steps=self.max_new_tokens)
+
+    def prefill(self, cancelled: Callable[[], bool] | None = None) -> bool:
+        """Prefill everything but the last prompt token, which becomes the first tree root. False if
+        `cancelled()` turned true between two chunks (what was prefilled stays)."""
+        start = clock(self.prompt.device)
+        drafting = self._drafting()
+        if drafting and self.draft_runner is None:
+            self.draft_runner = make_runner(self.pair_draft, self._needed())
+        for runner in [self.target_runner, self.draft_runner] if drafting else [self.target_runner]:
+            runner.reserve(self._needed(), most=self.capacity)
+            if not prefill(runner, self.prompt[runner.length : -1], cancelled):
+                self.resumable = True
+                return False
+        self.stats.prefill_seconds = clock(self.prompt.device) - start
+        for runner in self._live_runners():
+            runner.forward_seconds = 0.0  # from here on, decoding time only
+        self.resumable = True
+        self.decode_start = clock(self.prompt.device)
+        return True
+
+    def step(self) -> Chunk:
+        """Draft a tree, verify it in one target forward, commit the accepted path and the bonus token."""
+        self.resumable = False
+        self._make_room()
+        remaining = self.max_new_tokens - self.stats.new_tokens
+        proposal = self.drafter.propose(
+            DraftRequest(
+                self.committed, remaining - 1, self.eos, self.vocab_size, self.sampling, self.generator,
+                self.draft_runner,
+            )
+        )  # fmt: skip
+        tree = proposal.tree
+        root_slot = self.committed.numel() - 1
+        logits = tree_forward(self.target_runner, tree, torch.arange(tree.size), root_slot)  # (size, V)
+        path, bonus = self.method.rule(tree, logits, proposal, self.sampling, self.generator)
+        path_nodes = torch.tensor([0, *path], dtype=torch.long, device=self.prompt.device)
+        self._commit(tree, root_slot, path_nodes)
+        self.drafter.observe(proposal, path)
+        self._count(tree, proposal.draft_calls, len(path))
+        new, finish = _cut([*tree.tokens[path_nodes[1:]].tolist(), bonus], self.eos, remaining, self.text)
+        self.stats.new_tokens += len(new)
+        self.committed = torch.cat(
+            [self.committed, torch.tensor(new, dtype=torch.long, device=self.prompt.device)]
+        )
+        self.stats.decode_seconds = clock(self.prompt.device) - self.decode_start
+        self.resumable = True
+        return Chunk(new, finish, self.stats)
+
+    def release(self) -> None:
+        """Put the runners in the prefix cache with the committed tokens, if they hold exactly those (after
+        a step or a prefill, not after an error, when a forward may have stopped half way)."""
+        if self.prefix_cache is not None and self.resumable:
+            self.prefix_cache.put(
+                self.committed.tolist(), self.target, self.pair_draft, self.target_runner, self.draft_runner
+            )
+        self.resumable = False
+
+    def _make_room(self) -> None:
+        """A draft runner once the drafter expects to draft, and room in both for this step's tree."""
+        if self.pair_draft is not None and self.draft_runner is None and self.drafter.may_draft():
+            self.draft_runner = make_runner(
+                self.pair_draft, self.committed.numel() + self.drafter.max_tree_size
+            )
+        for runner in self._live_runners():
+            runner.reserve(self.committed.numel() + self.drafter.max_tree_size, most=self.capacity)
+
+    def _commit(self, tree, root_slot: int, path_nodes: torch.Tensor) -> None:
+        """The root and the accepted path stay in the target cache, and in the draft cache as far as the
+        draft expanded them; the bonus token becomes the next root."""
+        self.target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
+        if self.draft_runner is not None:
+            seen = path_nodes[tree.expanded[path_nodes]]
+            draft_root = self.draft_runner.slot(root_slot)
+            self.draft_runner.keep(_with_prefix(min(self.draft_runner.length, draft_root), draft_root + seen))
+
+    def _count(self, tree, draft_calls: int, accepted: int) -> None:
+        stats = self.stats
+        stats.target_seconds = self.target_runner.forward_seconds
+        stats.draft_seconds = self.draft_runner.forward_seconds if self.draft_runner is not None else 0.0
+        stats.target_calls += 1
+        stats.draft_calls += draft_calls
+        stats.tree_sizes.append(tree.size - 1)
+        stats.tree_depths.append(int(tree.depths[: tree.size].max()))
+        stats.accepted.append(accepted)
+
+    def _live_runners(self) -> list[Runner]:
+        return [r for r in (self.target_runner, self.draft_runner) if r is not None]
+
+
+def _checked(settings: Settings, target, draft, tokenizer) -> Method:
+    """The method of `settings`, once every setting is one it can run on these models."""
+    try:
+        chosen = method(settings.method)
+    except UnknownMethod as err:
+        raise GenerationError(str(err)) from None
+    budget = chosen.default_budget if settings.budget is None else settings.budget
+    ngram = settings.ngram
+    if chosen.drafts and draft is None:
+        raise GenerationError(f"method {chosen.name!r} needs a draft model")
+    if settings.max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {settings.max_new_tokens}")
     if not isinstance(ngram, int) or ngram < 0:
         raise GenerationError(f"ngram must be an integer >= 0, got {ngram!r}")
-    budget = DEFAULT_BUDGETS[method] if budget is None else budget
-    leaf_limit = tree_leaf_limit(target, draft)
-    cost_stop = None
-    if budget == "auto":
-        if method not in AUTO_METHODS:
-            raise GenerationError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
-        cost = cost_model or cached_cost_model(target, draft)
-        max_budget = min(AUTO_MAX_BUDGET, leaf_limit - 2 * ngram)
-        make = (
-            (lambda: ChainCostStop(cost, DSL_MAX_LENGTH))
-            if method == "dsl"
-            else (lambda: AutoBudget(cost, max_budget=max_budget))
-        )
-        if learnt is not None:
-            setting = (method, max_budget, temperature, top_k, top_p, cost.fingerprint())
-            policy = learnt.get((id(target), id(draft)), setting, make)
-        else:
-            policy = make()
-        if method == "dsl":
-            budget, cost_stop = DSL_MAX_LENGTH, policy
-            cost_stop.start()  # a chain cut short by the last generation's end is not this one's
-        else:
-            budget = policy
-    elif not isinstance(budget, int) or (method != "ar" and budget < 1):
+    if budget == "auto" and not chosen.auto:
+        raise GenerationError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {chosen.name!r}")
+    if budget != "auto" and (not isinstance(budget, int) or (chosen.drafts and budget < 1)):
         raise GenerationError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
-    if lookahead_schedule not in ("constant", "heuristic"):
+    if settings.lookahead_schedule not in ("constant", "heuristic"):
         raise GenerationError(
-            f"lookahead_schedule must be 'constant' or 'heuristic', got {lookahead_schedule!r}"
+            f"lookahead_schedule must be 'constant' or 'heuristic', got {settings.lookahead_schedule!r}"
         )
-    if isinstance(budget, int) and method in ("specinfer", "specexec") and budget + 2 * ngram > leaf_limit:
+    leaf_limit, limiter = tree_leaf_limit(target, draft)
+    if isinstance(budget, int) and chosen.tree and budget + 2 * ngram > leaf_limit:
         raise GenerationError(
-            f"budget {budget} could make trees of more than the {leaf_limit} leaves llama.cpp verifies in "
-            f"one pass; use a budget of at most {leaf_limit - 2 * ngram}"
+            f"budget {budget} could make trees of more than the {leaf_limit} leaves {limiter} verifies "
+            f"in one pass; use a budget of at most {leaf_limit - 2 * ngram}"
         )
-    if ngram and method != "specexec":
-        raise GenerationError(f"ngram grafting is for method 'specexec', not {method!r}")
-    if stop_strings and tokenizer is None:
+    if ngram and "ngram" not in chosen.options:
+        raise GenerationError(f"ngram grafting is for method 'specexec', not {chosen.name!r}")
+    if settings.stop_strings and tokenizer is None:
         raise GenerationError("stop_strings need a tokenizer")
     try:
-        sampling = SamplingParams(temperature, top_k, top_p)
-        confidence_stop = ConfidenceStop(confidence_threshold, adapt_threshold)
+        SamplingParams(settings.temperature, settings.top_k, settings.top_p)
+        ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
     except ValueError as e:
         raise GenerationError(str(e)) from None
-    window = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    return chosen
+
+
+def _check_window(prompt: torch.Tensor, max_new_tokens: int, target) -> None:
+    window = as_model(target).context_window
     if window is not None and prompt.numel() + max_new_tokens > window:
         raise GenerationError(
             f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context window of {window} tokens"
         )
-    eos = torch.tensor(_eos_ids(target, eos_token_id, tokenizer), dtype=torch.long, device=prompt.device)
-    generator = torch.Generator(device=prompt.device).manual_seed(seed)
-    vocab_size = target.config.get_text_config().vocab_size
 
-    drafter = _make_drafter(
-        method, budget, expand, width, max_rounds, branches, ngram, lookahead_schedule,
-        confidence_stop, cost_stop,
-    )  # fmt: skip
-    # Committed tokens plus scratch slots for the largest tree a step can build, in both caches; the
-    # buffers grow to that as the generation needs them.
-    capacity = prompt.numel() + max_new_tokens + drafter.max_tree_size
-    needed = min(capacity, prompt.numel() + drafter.max_tree_size)
-    stats = Stats(method=method, prompt_tokens=prompt.numel())
-    prompt_list = prompt.tolist()
-    pair_draft = draft if method != "ar" else None
-    # The draft is prefilled unless no step of this generation can draft: catching up later costs the same
-    # draft work inside decoding (and, on llama.cpp, new tree contexts mid-generation).
-    drafting = pair_draft is not None and drafter.may_draft(steps=max_new_tokens)
-    reused = prefix_cache.take(target, pair_draft, prompt_list) if prefix_cache else None
-    if reused is not None:
-        target_runner, draft_runner = reused.target, reused.draft
-        # Everything but the last prompt token can be reused: that one becomes the first tree root.
-        stats.cached_tokens = min(reused.shared_with(prompt_list), prompt.numel() - 1)
-        for runner in (target_runner, draft_runner):
-            if runner is not None:
-                runner.keep_prefix(stats.cached_tokens)
+
+def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel | None, learnt) -> Drafter:
+    """The method's drafter; an "auto" budget becomes its cost policy (kept in `learnt` if given)."""
+    budget = chosen.default_budget if settings.budget is None else settings.budget
+    confidence = ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
+    if budget != "auto":
+        return chosen.make_drafter(budget, settings.draft_options, confidence, None)
+    cost = cost or cached_cost_model(target, draft)
+    max_budget = min(AUTO_MAX_BUDGET, tree_leaf_limit(target, draft)[0] - 2 * settings.ngram)
+    make = (
+        (lambda: ChainCostStop(cost, DSL_MAX_LENGTH))
+        if chosen.chain
+        else (lambda: AutoBudget(cost, max_budget=max_budget))
+    )
+    if learnt is not None:
+        sampling = (settings.temperature, settings.top_k, settings.top_p)
+        policy = learnt.get(
+            (id(target), id(draft)), (chosen.name, max_budget, *sampling, cost.fingerprint()), make
+        )
     else:
-        target_runner, draft_runner = make_runner(target, needed, trees=drafting), None
-    text = TextStream(tokenizer, stop_strings) if stop_strings else None
-
-    committed = prompt
-    resumable = False  # whether the runners hold exactly `committed` (up to their lengths)
-    try:
-        # Prefill: everything but the last prompt token, which becomes the first tree root. The draft
-        # model gets a runner (and a prefill) only once the drafter expects to draft: an auto budget
-        # may find that drafting cannot pay on this machine, and then the draft costs nothing.
-        start = clock(prompt.device)
-        if drafting and draft_runner is None:
-            draft_runner = make_runner(pair_draft, needed)
-        for runner in [target_runner, draft_runner] if drafting else [target_runner]:
-            runner.reserve(needed, most=capacity)
-            if not prefill(runner, prompt[runner.length : -1], cancelled):
-                resumable = True
-                return
-        stats.prefill_seconds = clock(prompt.device) - start
-        for runner in (target_runner, draft_runner):
-            if runner is not None:
-                runner.forward_seconds = 0.0  # from here on, decoding time only
-
-        decode_start = clock(prompt.device)
-        while True:
-            if pair_draft is not None and draft_runner is None and drafter.may_draft():
-                draft_runner = make_runner(pair_draft, committed.numel() + drafter.max_tree_size)
-            for runner in (target_runner, draft_runner):
-                if runner is not None:
-                    runner.reserve(committed.numel() + drafter.max_tree_size, most=capacity)
-            remaining = max_new_tokens - stats.new_tokens
-            request = DraftRequest(
-                committed, remaining - 1, eos, vocab_size, sampling, generator, draft_runner
-            )
-            proposal = drafter.propose(request)
-            tree = proposal.tree
-            root_slot = committed.numel() - 1
-            logits = tree_forward(
-                target_runner, tree, torch.arange(tree.size, device=prompt.device), root_slot
-            )
-            if method in REJECTION_METHODS:
-                path, bonus = rejection_walk(tree, logits, proposal.draft_probs, sampling, generator)
-            else:
-                path, bonus = cache_walk(tree, logits, sampling, generator)
-
-            # Commit: the root and the accepted path stay in the target cache, and in the draft cache as
-            # far as the draft expanded them; the bonus token becomes the next root.
-            path_nodes = torch.tensor([0, *path], dtype=torch.long, device=prompt.device)
-            target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
-            if draft_runner is not None:
-                seen = path_nodes[tree.expanded[path_nodes]]
-                draft_root = draft_runner.slot(root_slot)
-                draft_runner.keep(_with_prefix(min(draft_runner.length, draft_root), draft_root + seen))
-            stats.target_seconds = target_runner.forward_seconds
-            stats.draft_seconds = draft_runner.forward_seconds if draft_runner is not None else 0.0
-            stats.target_calls += 1
-            stats.draft_calls += proposal.draft_calls
-            stats.tree_sizes.append(tree.size - 1)
-            stats.tree_depths.append(int(tree.depths[: tree.size].max()))
-            stats.accepted.append(len(path))
-            drafter.observe(proposal, path)
-
-            new, finish = _cut([*tree.tokens[path_nodes[1:]].tolist(), bonus], eos, remaining, text)
-            stats.new_tokens += len(new)
-            committed = torch.cat([committed, torch.tensor(new, dtype=torch.long, device=prompt.device)])
-            stats.decode_seconds = clock(prompt.device) - decode_start
-            resumable = True
-            yield Chunk(new, finish, stats)
-            resumable = False
-            if finish is not None:
-                resumable = True
-                return
-    finally:
-        # Only at a yield or a clean stop do the runners hold `committed`; after an error, drop them.
-        if prefix_cache is not None and resumable:
-            prefix_cache.put(committed.tolist(), target, pair_draft, target_runner, draft_runner)
+        policy = make()
+    if not chosen.chain:
+        return chosen.make_drafter(policy, settings.draft_options, confidence, None)
+    policy.start()  # a chain cut short by the last generation's end is not this one's
+    return chosen.make_drafter(DSL_MAX_LENGTH, settings.draft_options, confidence, policy)
 
 
-def _make_drafter(
-    method: str,
-    budget: int | AutoBudget,
-    expand: int,
-    width: int,
-    max_rounds: int,
-    branches: int,
-    ngram: int,
-    lookahead_schedule: str,
-    confidence_stop: ConfidenceStop,
-    cost_stop: ChainCostStop | None,
-) -> Drafter:
-    if method == "ar":
-        return NoDrafter()
-    if method == "sd":
-        schedule = HeuristicLookahead(budget) if lookahead_schedule == "heuristic" else None
-        ceiling = max(budget, HEURISTIC_MAX_LENGTH) if schedule else budget
-        return ChainDrafter(budget, schedule=schedule, max_length=ceiling)
-    if method == "dsl":
-        return ChainDrafter(budget, stop=confidence_stop, cost_stop=cost_stop)
-    if method == "specinfer":
-        return SampledTreeDrafter(budget, branches)
-    return BestFirstDrafter(budget, expand, width, max_rounds, ngram)
-
-
-def tree_leaf_limit(*models) -> int:
-    """The most leaves a verified tree may have: llama.cpp gives every leaf a sequence id of its own."""
-    from specexec.llamacpp import MAX_SEQUENCES
-
-    on_llamacpp = any(getattr(m, "backend", "torch") == "llamacpp" for m in models if m is not None)
-    return MAX_SEQUENCES - 1 if on_llamacpp else 1 << 30
+def tree_leaf_limit(*models) -> tuple[int, str]:
+    """The most leaves a verified tree may have (the least any of `models` can verify in one forward),
+    and the runtime that sets it."""
+    limits = [(m.max_tree_leaves, m.runtime) for m in map(as_model, filter(None, models))]
+    return min(((n, runtime) for n, runtime in limits if n is not None), default=(1 << 30, ""))
 
 
 def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:
@@ -406,19 +457,25 @@ def _cut(
     return new, finish
 
 
-def _as_token_tensor(input_ids: Sequence[int] | torch.Tensor, model: PreTrainedModel) -> torch.Tensor:
+def _as_token_tensor(input_ids: Sequence[int] | torch.Tensor, model: Model) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long).to(model.device)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise GenerationError("input_ids must be a non-empty 1-D sequence of token ids")
-    vocab = model.config.get_text_config().vocab_size
+    vocab = model.vocab_size
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise GenerationError(f"input_ids must be in [0, {vocab}), got ids up to {int(ids.max())}")
     return ids
 
 
-def _eos_ids(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None, tokenizer) -> list[int]:
+def _eos_ids(model, eos_token_id: int | Sequence[int] | None, tokenizer) -> list[int]:
     if eos_token_id is None:
         return eos_token_ids(model, tokenizer)
     return sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+
+
+def probe(model) -> None:
+    """One one-token forward on a fresh runner of `model`, to check the model still answers."""
+    model = as_model(model)
+    make_runner(model, 1, trees=False).extend(torch.zeros(1, dtype=torch.long, device=model.device))

@@ -1,20 +1,20 @@
-"""Where model weights come from: local folders, GGUF files, or the packaged default pair.
+"""Where model weights come from: local folders, GGUF files, or the packaged default pair; `load_model`
+hands them to the backend that runs them (`specexec.backends`).
 
 Nothing here ever contacts the Hugging Face Hub. GGUF files (including the default pair, which is
-shipped as byte slices in pip packages) are dequantized once and cached as bf16 safetensors, so every
-later load is a plain, fast ``from_pretrained`` of a local folder.
+shipped as byte slices in pip packages) run as they are on llama.cpp; for the torch backend they are
+dequantized once and cached as bf16 safetensors, so every later load is a plain, fast
+``from_pretrained`` of a local folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
 import os
 import re
 import shutil
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +24,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GgufConfig,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from specexec import backends  # noqa: E402
+from specexec.backends import as_model  # noqa: E402
+from specexec.backends.base import LoadOptions  # noqa: E402
+from specexec.draft_vocab import check_draft_vocab  # noqa: E402
+from specexec.paths import cache_root  # noqa: E402
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -95,66 +99,45 @@ def load_model(
     backend: str = "torch",
     threads: int | None = None,
 ):
-    """Load a causal LM in eval mode on the CPU.
+    """Load a causal LM in eval mode on the CPU, on the backend `backend` names (see `specexec.backends`).
 
-    ``backend`` "llamacpp" loads a GGUF source into llama.cpp instead (`specexec.llamacpp.LlamaCppModel`,
-    running on ``threads`` threads); "auto" picks it where `choose_backend` does. The torch backend's
-    options (``dtype``, ``offload``, ``quant``) are refused there.
+    ``backend`` "llamacpp" loads a GGUF source into llama.cpp instead (running on ``threads`` threads);
+    "auto" picks it where `choose_backend` does. The torch backend's options (``dtype``, ``offload``,
+    ``quant``) are refused there.
 
     ``source`` is a local Hugging Face model folder (safetensors only), a ``.gguf`` file, or one of
-    ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. GGUF sources are converted once into a bf16 cache folder;
-    ``dtype`` is only the in-memory dtype (default bfloat16). ``offload`` (keyword arguments of
-    ``specexec.offload.offload_model``) streams the decoder layers from host memory to the GPU.
-    ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form for the CPU kernels
-    (``specexec.quant.quantize_model``). ``vocab`` > 0 makes a draft score only its first ``vocab`` token
-    ids, plus its special tokens (``specexec.draft_vocab``).
+    ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. On the torch backend, GGUF sources are converted once into a
+    bf16 cache folder; ``dtype`` is only the in-memory dtype (default bfloat16). ``offload`` (keyword
+    arguments of `specexec.backends.torch.offload.offload_model`) streams the decoder layers from host
+    memory to the GPU. ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form
+    for the CPU kernels. ``vocab`` > 0 makes a draft score only its first ``vocab`` token ids, plus its
+    special tokens (`specexec.draft_vocab`).
     """
-    from specexec.draft_vocab import check_draft_vocab, restrict_draft_vocab
-    from specexec.quant import QuantError, quantize_model
-
-    torch_options = [
-        name
-        for name, given in (
-            (f"dtype {dtype}", dtype is not None),
-            ("offloading", offload is not None),
-            (f"--quant {quant}", quant != "none"),
+    given = [
+        (key, words)
+        for key, words, present in (
+            ("dtype", f"dtype {dtype}", dtype is not None),
+            ("offload", "offloading", offload is not None),
+            ("quant", f"--quant {quant}", quant != "none"),
         )
-        if given
+        if present
     ]
-    if choose_backend(backend, source, torch_options) == "llamacpp":
-        from specexec.llamacpp import LlamaCppError, LlamaCppModel
-
-        try:
-            if not vocab:
-                return LlamaCppModel(gguf_file(source), threads)
-            tokenizer = load_tokenizer(source)
+    runtime = backends.backend(choose_backend(backend, source, given))
+    always: tuple[int, ...] = ()
+    if vocab:
+        tokenizer = load_tokenizer(source)
+        always = tuple(tokenizer.all_special_ids)
+        if runtime.WEIGHTS == "gguf":
             check_draft_vocab(vocab, len(tokenizer))
-            return LlamaCppModel(gguf_file(source), threads, vocab, always=tokenizer.all_special_ids)
-        except LlamaCppError as err:
+    options = LoadOptions(dtype, offload, quant, vocab, always, threads)
+    if runtime.WEIGHTS == "gguf":
+        try:
+            return runtime.load(gguf_file(source), options)
+        except runtime.Error as err:
             raise ModelSourceError(str(err)) from None
-
-    if quant != "none" and offload is not None:
-        raise QuantError("--quant is for CPU inference; offloading streams NF4 with --quant-offload nf4")
     folder = _local_folder(source)
     _check_model_folder(folder)
-    if vocab:  # refused before the weights load
-        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-        check_draft_vocab(vocab, config.get_text_config().vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder,
-        dtype=dtype or torch.bfloat16,
-        use_safetensors=True,
-        trust_remote_code=False,
-        local_files_only=True,
-    ).eval()
-    if offload is not None:
-        from specexec.offload import offload_model
-
-        offloader = offload_model(model, **offload)  # OffloadError without CUDA
-        print(f"[{offloader.describe()}]", file=sys.stderr)
-    if vocab:
-        restrict_draft_vocab(model, vocab, always=load_tokenizer(source).all_special_ids)
-    return quantize_model(model, quant)
+    return runtime.load(folder, options)
 
 
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
@@ -193,23 +176,16 @@ def _tokenizer_folder(source: str) -> Path:
     return folder
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> list[int]:
-    """Every id that ends a sequence, from the generation config, the model config and the tokenizer.
+def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase | None = None) -> list[int]:
+    """Every id that ends a sequence: the model's own (`Model.eos_token_ids`), then the tokenizer's.
 
     GGUF metadata lists only one eos id; Qwen2.5 also stops on ``<|endoftext|>`` (151643) besides
     ``<|im_end|>`` (151645), so that token is added whenever the tokenizer has it.
     """
-    candidates: list[int | list[int] | None] = [
-        getattr(model.generation_config, "eos_token_id", None),
-        getattr(model.config, "eos_token_id", None),
-    ]
+    ids = as_model(model).eos_token_ids()
     if tokenizer is not None:
-        candidates.append(tokenizer.eos_token_id)
-        candidates.append(tokenizer.get_vocab().get("<|endoftext|>"))
-    ids: list[int] = []
-    for value in candidates:
-        for token_id in value if isinstance(value, list) else [value]:
-            if token_id is not None and token_id not in ids:
+        for token_id in (tokenizer.eos_token_id, tokenizer.get_vocab().get("<|endoftext|>")):
+            if token_id is not None and int(token_id) not in ids:
                 ids.append(int(token_id))
     return ids
 
@@ -233,36 +209,15 @@ def check_same_vocab(
     )
 
 
-def choose_backend(requested: str, source: str, torch_options: list[str]) -> str:
-    """The backend that runs `source`: "torch" or "llamacpp".
-
-    `requested` is "torch", "llamacpp" or "auto"; `torch_options` names the options given that only the
-    torch backend has (e.g. "--quant int8"). "auto" picks llama.cpp for a GGUF source when
-    llama-cpp-python is installed and no such option is given: its kernels are faster than PyTorch's
-    bf16/fp32 on every CPU measured (docs/benchmarks.md), and it runs the GGUF's own weights.
-    """
-    from specexec.llamacpp import INSTALL_HINT
-
-    if requested == "torch":
-        return "torch"
+def choose_backend(requested: str, source: str, given: list[tuple[str, str]]) -> str:
+    """The backend that runs `source` (`specexec.backends.BACKENDS`; "auto" picks the first that is
+    installed and can). `given` names the load options given, each as (key, the option in the user's
+    words), e.g. ("quant", "--quant int8"): a backend without that option refuses it in those words."""
     is_gguf = source in _PACKAGED or Path(source).expanduser().suffix.lower() == ".gguf"
-    available = importlib.util.find_spec("llama_cpp") is not None
-    if requested == "llamacpp":
-        if torch_options:
-            raise ModelSourceError(
-                f"{torch_options[0]} is for the torch backend; llama.cpp runs the GGUF's own weights"
-            )
-        if not is_gguf:
-            raise ModelSourceError(
-                f"the llama.cpp backend runs GGUF models, and {source!r} is not one; pass a .gguf file or "
-                f"one of {_default_names()}"
-            )
-        if not available:
-            raise ModelSourceError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}")
-        return "llamacpp"
-    if requested != "auto":
-        raise ModelSourceError(f"unknown backend {requested!r}; choose torch, llamacpp or auto")
-    return "llamacpp" if is_gguf and available and not torch_options else "torch"
+    try:
+        return backends.choose_backend(requested, source, is_gguf, given, _default_names())
+    except backends.BackendChoiceError as err:
+        raise ModelSourceError(str(err)) from None
 
 
 def gguf_file(source: str) -> Path:
@@ -430,11 +385,6 @@ def _publish(partial: Path, dest: Path) -> None:
     except OSError:
         if not dest.is_dir():
             raise
-
-
-def cache_root() -> Path:
-    """Where converted models, calibrations and compiled kernels are kept (``SPECEXEC_CACHE``)."""
-    return Path(os.environ.get("SPECEXEC_CACHE") or Path.home() / ".cache" / "specexec").expanduser()
 
 
 def _default_names() -> str:

@@ -170,12 +170,12 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
 
 def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """Run `specexec bench` from parsed arguments; errors print one line and return 1."""
+    from specexec.backends.torch.quant import QuantError
     from specexec.bench.core import BenchError
     from specexec.draft_vocab import DraftVocabError
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
     from specexec.prompts import PromptSetError
-    from specexec.quant import QuantError
 
     errors = (BenchError, PromptSetError, GenerationError, ModelSourceError, QuantError, DraftVocabError)
     try:

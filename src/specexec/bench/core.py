@@ -1,6 +1,6 @@
 """Run every configuration on the same prompts, interleaved, and keep one raw record per (prompt, config).
 
-Timing protocol (same clock, `specexec.runner.clock`, for every method):
+Timing protocol (same clock, `specexec.timing.clock`, for every method):
 
 - Warm-up: each configuration generates `warmup_tokens` tokens on the first prompt first; not recorded.
 - Interleaving: prompt i runs the configurations in the list rotated left by i, so no configuration always
@@ -37,25 +37,28 @@ from itertools import product
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from specexec.backends import as_model
+from specexec.backends.torch.quant import QUANT_MODES, quant_label
 from specexec.budget import LearntPolicies
-from specexec.engine import AUTO_METHODS, METHODS, generate
+from specexec.engine import generate
+from specexec.methods import METHODS
 from specexec.models import eos_token_ids
 from specexec.prompts import Prompt
-from specexec.quant import QUANT_MODES, quant_label
-from specexec.runner import clock
 from specexec.sampling import SamplingParams
+from specexec.timing import clock
 
-ENGINE_METHODS = METHODS
+ENGINE_METHODS = tuple(METHODS)
+AUTO_METHODS = tuple(name for name, m in METHODS.items() if m.auto)
 HF_METHODS = ("hf-assisted", "hf-lookup")
 # Other runtimes, optional extras, never in the default method list: llama.cpp's plain decoding and its
 # own speculative decoding (budget: the draft length).
 EXTERNAL_METHODS = ("llamacpp", "llamacpp-spec")
 BENCH_METHODS = ENGINE_METHODS + HF_METHODS + EXTERNAL_METHODS
 DEFAULT_METHODS = ENGINE_METHODS + HF_METHODS
-BUDGET_METHODS = ("sd", "dsl", "specinfer", "specexec", "llamacpp-spec")  # the methods a budget applies to
-DRAFT_METHODS = ("sd", "dsl", "specinfer", "specexec", "hf-assisted")
-# The drafted methods the engine runs: those --draft-vocab applies to.
-ENGINE_DRAFT_METHODS = tuple(m for m in DRAFT_METHODS if m in ENGINE_METHODS)
+# The drafted methods the engine runs: those a budget and --draft-vocab apply to.
+ENGINE_DRAFT_METHODS = tuple(name for name, m in METHODS.items() if m.drafts)
+BUDGET_METHODS = (*ENGINE_DRAFT_METHODS, "llamacpp-spec")  # the methods a budget applies to
+DRAFT_METHODS = (*ENGINE_DRAFT_METHODS, "hf-assisted")
 PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
 
 DEFAULT_BUDGETS = (16, 64, 256, 1024, "auto")
@@ -406,8 +409,10 @@ def _check(
         if runner is None and any(c.method == method for c in configs):
             raise BenchError(f"method {method!r} needs its llama.cpp runner (specexec.bench.llamacpp)")
     hf = sorted({c.method for c in configs if c.method in HF_METHODS})
-    on_llamacpp = [m for pair in pairs.values() for m in pair if getattr(m, "backend", "torch") == "llamacpp"]
-    if hf and on_llamacpp:
+    not_hf = [
+        m for pair in pairs.values() for m in pair if m is not None and not isinstance(m, PreTrainedModel)
+    ]
+    if hf and not_hf:
         raise BenchError(f"{hf[0]} runs Hugging Face models; load the pair with --backend torch")
     for quant, (_, draft) in pairs.items():
         on_pair = [c for c in configs if c.quant == quant and c.draft_vocab not in drafts]
@@ -424,7 +429,7 @@ def _check(
     empty = [p.id for p in prompts if not p.input_ids]
     if empty:
         raise BenchError(f"prompt {empty[0]} has no tokens")
-    window = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    window = as_model(target).context_window
     longest = max(prompts, key=lambda p: len(p.input_ids))
     if window is not None and len(longest.input_ids) + max_new_tokens > window:
         raise BenchError(

@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from specexec.runner import clock
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
+from specexec.timing import clock
 
 CPU = torch.device("cpu")
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specexec.runner import PREFILL_CHUNK, ModelRunner, prefill
+from specexec.backends.base import PREFILL_CHUNK, Runner, prefill
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree
 
@@ -38,7 +38,7 @@ class DraftRequest:
     vocab_size: int  # the target's: draft tokens beyond it can never be accepted
     sampling: SamplingParams
     generator: torch.Generator | None
-    runner: ModelRunner | None  # the draft model's runner (None for `ar`)
+    runner: Runner | None  # the draft model's runner (None for `ar`)
 
 
 def plain_step(request: DraftRequest) -> Draft:
@@ -132,7 +132,7 @@ class TreeDraftRunner:
         return torch.cat([logits, pad], dim=-1)
 
 
-def tree_forward(runner: ModelRunner, tree: DraftTree, nodes: torch.Tensor, root_slot: int) -> torch.Tensor:
+def tree_forward(runner: Runner, tree: DraftTree, nodes: torch.Tensor, root_slot: int) -> torch.Tensor:
     """Forward tree `nodes` (ascending) into slots root_slot + node; returns logits (len(nodes), V).
 
     Each node attends to the committed prefix [0, root_slot) and to its own ancestors in the tree.

@@ -22,7 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specexec.engine import AUTO_METHODS, DEFAULT_BUDGETS, METHODS, GenerationError, sized_by_cost, stream
+from specexec.backends import as_model
+from specexec.engine import SETTINGS, GenerationError, sized_by_cost, stream
+from specexec.methods import METHODS
 from specexec.server.metrics import Metrics
 from specexec.server.queue import (
     Admission,
@@ -123,14 +125,13 @@ def create_app(
         engine_options=engine_options,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    text_config = target.config.get_text_config()
-    model_window: int | None = getattr(text_config, "max_position_embeddings", None)
+    model_window: int | None = as_model(target).context_window
     if max_model_len is not None and model_window is not None and max_model_len > model_window:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's context window of {model_window}"
         )
     window: int = max_model_len or model_window or MAX_TOKENS_WITHOUT_WINDOW
-    vocab_size: int = text_config.vocab_size
+    vocab_size: int = as_model(target).vocab_size
     created = int(time.time())
 
     @asynccontextmanager
@@ -477,16 +478,16 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
     """Refuse a configuration that would fail every request, before serving anything."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method != "ar" and draft is None:
+    if METHODS[method].drafts and draft is None:
         raise ValueError(f"method {method!r} needs a draft model")
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-    if budget == "auto" and method not in AUTO_METHODS:
+    if budget == "auto" and not METHODS[method].auto:
         raise ValueError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
     if budget not in (None, "auto") and (not isinstance(budget, int) or (method != "ar" and budget < 1)):
         raise ValueError(f"budget must be an integer >= 1, 'auto' or None, got {budget!r}")
     options = dict(engine_options or {})
-    allowed = set(inspect.signature(stream).parameters) - _PER_REQUEST
+    allowed = (SETTINGS | set(inspect.signature(stream).parameters)) - _PER_REQUEST - {"settings"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
@@ -688,7 +689,10 @@ def _model_card(name: str, created: int, window: int | None, method: str, budget
         "created": created,
         "owned_by": "specexec",
         "context_window": window,
-        "specexec": {"method": method, "budget": budget if budget is not None else DEFAULT_BUDGETS[method]},
+        "specexec": {
+            "method": method,
+            "budget": budget if budget is not None else METHODS[method].default_budget,
+        },
     }
 
 

@@ -1,262 +1,25 @@
-"""The llama.cpp backend: a GGUF model run by ggml's kernels (llama-cpp-python's low-level API) behind
-the same runner interface as the PyTorch backend (`extend`, `forward_tree`, `keep`, `move`).
-
-llama.cpp addresses its KV cache by sequence ids and positions, not by slots. A cached token (cell) is
-visible to a new token when the cell belongs to the new token's first sequence id and its position is
-not later (llama-kv-cache.cpp, `set_input_kq_mask`). So a tree is verified in one `llama_decode`:
-
-- the committed sequence is sequence 0; a context holds no other sequence until it needs one (llama.cpp
-  reserves a row of logits per sequence), and meanwhile a one-token block on the committed prefix
-  (plain decoding) is written into sequence 0 itself;
-- every leaf of the block being decoded gets a fresh sequence id, and every token of the block carries
-  the ids of the leaves below it; the cached path above the block joins those sequences by `seq_cp`
-  (restricted to positions before the block), so each token sees exactly the prefix, its ancestors and
-  itself;
-- a slot (the engine's name for a tree node's KV) is remembered as (position, a sequence whose cells are
-  exactly its path); keeping the accepted path relabels its cells to sequence 0 and drops every other
-  sequence (`seq_keep`), which frees the cells of rejected branches.
-
-llama.cpp aborts the whole process on some bad arguments (a batch above `n_batch`, `n_batch` below
-`n_seq_max`); they are checked here first.
-"""
+"""The llama.cpp backend's runner: the slot interface of `specexec.backends.base.Runner` over a llama.cpp
+context, trees verified in one `llama_decode` with a sequence id per leaf (`model.py` says how)."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
-import os
-import shutil
-import sys
-import threading
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from specexec.backends.base import SlotRunner, grown_capacity
+from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 from specexec.draft_vocab import full_vocab_logits
-from specexec.runner import SlotRunner, clock, grown_capacity
+from specexec.timing import clock
 
-INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
-MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the committed one, the rest leaves
+if TYPE_CHECKING:
+    from specexec.backends.llamacpp.model import LlamaCppModel
+
 BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer blocks are split
 CELL_BLOCK = 1024  # a context's cells come in whole blocks of this many (see _in_blocks)
-# Idle contexts a model keeps for its next runners (`LlamaCppModel.give_context`): one bounds the memory
-# they hold and serves the dear case, a generation's 256-sequence context handed to the next generation.
-SPARE_CONTEXTS = 1
-CPU = torch.device("cpu")
-
-
-class LlamaCppError(RuntimeError):
-    """The llama.cpp backend cannot run this request; the message says why."""
-
-
-def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError:
-        raise LlamaCppError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from None
-    _quiet(llama_cpp)
-    return llama_cpp
-
-
-_LOG_CALLBACK = None
-
-
-def _quiet(llama_cpp) -> None:
-    """Route llama.cpp's log to stderr for errors only (its default prints every loaded tensor)."""
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-
-        @llama_cpp.llama_log_callback
-        def errors_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            if level == 4:  # GGML_LOG_LEVEL_ERROR
-                sys.stderr.write(text.decode("utf-8", "replace"))
-
-        _LOG_CALLBACK = errors_only
-        llama_cpp.llama_backend_init()
-    llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-
-
-@dataclass
-class LlamaCppConfig:
-    """What the engine reads of a model's configuration (the `transformers` names)."""
-
-    name_or_path: str
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_id: list[int]
-    num_parameters: int
-    model_type: str = "llamacpp"
-
-    def get_text_config(self) -> LlamaCppConfig:
-        return self
-
-
-@dataclass
-class LlamaCppGenerationConfig:
-    eos_token_id: list[int] = field(default_factory=list)
-
-
-class LlamaCppModel:
-    """A GGUF model loaded by llama.cpp (weights memory-mapped, shared by every runner on it).
-
-    Stands in for a `transformers` model wherever the engine needs one: `config`, `generation_config`,
-    `device`, `dtype`. `threads` sets llama.cpp's thread count (default: torch's).
-
-    `vocab` > 0 makes a draft score only its first `vocab` token ids and the ids in `always`
-    (`specexec.draft_vocab`): llama.cpp runs a copy of the GGUF whose output layer has those rows only
-    (written once under the cache root), takes every input as an embedding looked up here from the full
-    table, and the logits of the other ids are -inf.
-
-    A runner's context outlives it as a spare (`give_context`): the next runner of the same shape takes
-    it instead of making one, which costs 45 ms (one sequence) to 190 ms (256 sequences) for the 1.5B
-    target on 2 cores, on every generation and on a generation's first tree.
-    """
-
-    backend = "llamacpp"
-    device = CPU
-
-    def __init__(
-        self,
-        gguf: str | os.PathLike,
-        threads: int | None = None,
-        vocab: int = 0,
-        always: Iterable[int] = (),
-    ) -> None:
-        self._llama_cpp = llama_cpp = _llama_cpp()
-        self.gguf = Path(gguf)
-        if not self.gguf.is_file():
-            raise LlamaCppError(f"GGUF file not found: {self.gguf}")
-        self.threads = threads or torch.get_num_threads()
-        loaded = self.gguf
-        self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
-        if vocab:
-            folder = _reduced_head(self.gguf, vocab, always)
-            head = json.loads((folder / "head.json").read_text())
-            self.head = torch.tensor(head["kept"])
-            self._embedding = np.load(folder / "embedding.npy", mmap_mode="r")  # (V, row bytes or n_embd)
-            self._embedding_type = head["embedding_type"]
-            loaded = folder / "model.gguf"
-        params = llama_cpp.llama_model_default_params()
-        self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
-        if not self.handle:
-            raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
-        vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
-        self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
-        eos = [
-            t
-            for t in (llama_cpp.llama_vocab_eos(vocab_handle), llama_cpp.llama_vocab_eot(vocab_handle))
-            if 0 <= t < self.head_rows
-        ]
-        n_vocab = self.head_rows
-        if self.head is not None:
-            n_vocab = head["vocab"]
-            eos = [int(self.head[t]) for t in eos]
-        eos = sorted(set(eos))
-        self.config = LlamaCppConfig(
-            name_or_path=str(self.gguf),
-            vocab_size=n_vocab,
-            max_position_embeddings=llama_cpp.llama_model_n_ctx_train(self.handle),
-            eos_token_id=eos,
-            num_parameters=llama_cpp.llama_model_n_params(self.handle),
-        )
-        self.generation_config = LlamaCppGenerationConfig(list(eos))
-        self.dtype = _weight_type(llama_cpp, self.handle)
-        self.width = llama_cpp.llama_model_n_embd(self.handle)
-        # float16 keys and values (llama.cpp's default cache type) for every layer's KV heads.
-        head_dim = self.width // llama_cpp.llama_model_n_head(self.handle)
-        kv_width = llama_cpp.llama_model_n_head_kv(self.handle) * head_dim
-        self.kv_bytes_per_token = 2 * 2 * kv_width * llama_cpp.llama_model_n_layer(self.handle)
-        self.version = llama_cpp.__version__
-        self._spares: list[tuple[tuple[int, int], int]] = []  # ((capacity, sequences), context pointer)
-        self._spares_lock = threading.Lock()
-
-    def take_context(self, capacity: int, sequences: int) -> int | None:
-        """A spare context of a runner of `capacity` slots and `sequences` sequences, its cache empty, or
-        None."""
-        with self._spares_lock:
-            for i, (shape, ctx) in enumerate(self._spares):
-                if shape == (capacity, sequences):
-                    del self._spares[i]
-                    return ctx
-        return None
-
-    def give_context(self, ctx: int, capacity: int, sequences: int) -> None:
-        """Keep a context its runner no longer uses as a spare (the newest SPARE_CONTEXTS are kept, older
-        ones freed). Its cells are emptied and zeroed, as in a new context (a value left in an unused
-        cell is masked out, but a NaN there would not be)."""
-        llama_cpp = self._llama_cpp
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        with self._spares_lock:
-            self._spares.append(((capacity, sequences), ctx))
-            excess = max(0, len(self._spares) - SPARE_CONTEXTS)
-            dropped, self._spares = self._spares[:excess], self._spares[excess:]
-        for _, old in dropped:
-            llama_cpp.llama_free(old)
-
-    def describe(self) -> str:
-        """What the calibration cache keys on: file, size, weight type, threads, library version."""
-        stat = self.gguf.stat()
-        head = f":head{self.head_rows}" if self.head is not None else ""
-        return (
-            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.dtype}{head}:"
-            f"{self.threads}t:{self.version}"
-        )
-
-    def embed(self, tokens: list[int]) -> np.ndarray:
-        """Input embeddings (n, width) of `tokens` for a model with a reduced head: the rows of the full
-        table, dequantized as llama.cpp's own lookup does (float32)."""
-        from gguf.quants import dequantize
-
-        rows = dequantize(self._embedding[tokens], self._embedding_type)
-        return np.ascontiguousarray(rows, dtype=np.float32)
-
-    def __del__(self) -> None:
-        for _, ctx in getattr(self, "_spares", []):
-            self._llama_cpp.llama_free(ctx)  # contexts before the model they were made from
-        self._spares = []
-        if getattr(self, "handle", None):
-            self._llama_cpp.llama_model_free(self.handle)
-            self.handle = None
-
-
-def _reduced_head(gguf: Path, size: int, always: Iterable[int]) -> Path:
-    """The folder of `gguf` with a head of its first `size` ids and `always`, written the first time
-    (`specexec.draft_vocab.write_reduced_head_gguf`) under the cache root."""
-    from specexec.draft_vocab import write_reduced_head_gguf
-    from specexec.models import cache_root
-
-    always = sorted(set(always))
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{size}:{always}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    folder = cache_root() / "draft-heads" / f"{gguf.stem}-{size}-{digest}"
-    if not folder.is_dir():
-        print(f"[writing {gguf.name} with a head of {size} token ids, once: {folder}]", file=sys.stderr)
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        try:
-            write_reduced_head_gguf(gguf, size, always, partial)
-            os.replace(partial, folder)
-        except (KeyError, ValueError) as err:  # not a layout the copy knows (no token embedding, ...)
-            raise LlamaCppError(f"cannot write {gguf.name} with a smaller head: {err!r}") from None
-        except OSError:
-            if not folder.is_dir():
-                raise
-        finally:  # another process wrote it first, or this one failed: nothing half-written stays
-            shutil.rmtree(partial, ignore_errors=True)
-    return folder
-
-
-def _weight_type(llama_cpp, handle) -> str:
-    """The model's description, e.g. "qwen2 1.5B Q4_K - Medium"."""
-    buf = ctypes.create_string_buffer(256)
-    llama_cpp.llama_model_desc(handle, buf, len(buf))
-    return buf.value.decode("utf-8", "replace")
 
 
 @dataclass
@@ -269,10 +32,10 @@ class _Slot:
 
 class LlamaCppRunner(SlotRunner):
     """Drives one `LlamaCppModel` over its own llama.cpp context: `extend`, `forward_tree`, `keep`,
-    `move`, with the slot semantics of `specexec.runner.ModelRunner`."""
+    `move`, with the slot semantics of `specexec.backends.base.Runner`."""
 
     def __init__(self, model: LlamaCppModel, capacity: int, trees: bool = True) -> None:
-        self.llama_cpp = llama_cpp = _llama_cpp()
+        self.llama_cpp = llama_cpp = llama_cpp_library()
         self.model = model
         self.device = CPU
         self.capacity = _in_blocks(capacity)
@@ -282,7 +45,7 @@ class LlamaCppRunner(SlotRunner):
         self.sequences = MAX_SEQUENCES if trees else 1
         self.length = 0
         self.forward_seconds = 0.0
-        self.vocab = model.config.vocab_size
+        self.vocab = model.vocab_size
         self.ctx = self._new_context(self.capacity, self.sequences)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         # A reduced head's model takes embeddings: its own table holds only the head's tokens.

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from specexec.draft_vocab import ReducedHead
-from specexec.models import cache_root
+from specexec.backends.torch.draft_vocab import ReducedHead
+from specexec.paths import cache_root
 
 QUANT_MODES = ("none", "int8", "int4", "w4a8")
 INT4_GROUP_SIZE = 64  # 32 is 2-5x slower in the CPU kernel for long rows (K = 8960) and the LM head

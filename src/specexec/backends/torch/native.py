@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specexec.quant import quant_label
+from specexec.backends.torch.quant import quant_label
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 

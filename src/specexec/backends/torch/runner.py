@@ -1,4 +1,4 @@
-"""One model behind a narrow interface: forward a block of tokens into chosen KV slots, then keep slots.
+"""The torch backend's runner: one Hugging Face model over slot-addressed KV buffers.
 
 The KV cache is one buffer per generation, grown on demand (`reserve`, geometrically, so that a long
 generation copies it only a few times and a short one never holds its worst case). Slots [0, length)
@@ -11,14 +11,14 @@ next step. Keeping a prefix (`keep(arange(k))`) truncates the sequence for reuse
 from __future__ import annotations
 
 import inspect
-import time
-from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specexec.native import NativeDecoder, NativeUnsupported, zero_padded
+from specexec.backends.base import SlotRunner, grown_capacity
+from specexec.backends.torch.native import NativeDecoder, NativeUnsupported, zero_padded
+from specexec.timing import clock
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -149,46 +149,6 @@ class HFForward:
         return mask.masked_fill_(~allowed, self.mask_min)[None, None]  # (1, 1, n, width)
 
 
-class SlotRunner:
-    """What every runner shares: the committed sequence in slots [0, `length`), each at its slot's
-    position, less any committed tokens it was told to `skip`.
-
-    A draft catching up after many plain steps reads only the latest tokens: the others are left out of
-    its cache for good, and it reads the text as if they had never been there (positions stay
-    consecutive, as llama.cpp requires). The target never skips.
-    """
-
-    length: int
-    device: torch.device
-    skipped = 0  # committed tokens left out of the cache
-    cut = 0  # the slot where the first of them were left out
-
-    @property
-    def read(self) -> int:
-        """Committed tokens accounted for: in slots, or skipped."""
-        return self.length + self.skipped
-
-    def slot(self, index: int) -> int:
-        """The slot of committed token `index`, one read after the last skip (a tree root, say)."""
-        return index - self.skipped
-
-    def skip(self, tokens: int) -> None:
-        """Count the next `tokens` committed tokens as read without storing them."""
-        if tokens > 0 and not self.skipped:
-            self.cut = self.length
-        self.skipped += tokens
-
-    def keep_prefix(self, tokens: int) -> None:
-        """Keep the cache of the first `tokens` committed tokens only (fewer where it holds fewer, or
-        skipped some of them), for a new sequence that shares them."""
-        kept = min(tokens, self.cut if self.skipped else self.length)
-        self.keep(torch.arange(kept, device=self.device))
-        self.skipped = 0
-
-    def keep(self, slots: torch.Tensor) -> None:
-        raise NotImplementedError
-
-
 class ModelRunner(SlotRunner):
     """Drives one causal LM over slot-addressed KV buffers: `reserve`, `extend`, `forward_tree`, `keep`.
 
@@ -285,41 +245,3 @@ class ModelRunner(SlotRunner):
         src, dst_start = src[first:], dst_start + first
         self.backend.gather(src, dst_start)
         self.slot_positions[dst_start : dst_start + src.numel()] = self.slot_positions[src].clone()
-
-
-def grown_capacity(capacity: int, slots: int, most: int | None) -> int:
-    """The capacity a runner grows to for `slots`: at least twice `capacity` (never past `most`), so a
-    growing sequence is copied only a few times."""
-    doubled = 2 * capacity if most is None else min(2 * capacity, most)
-    return max(slots, doubled)
-
-
-PREFILL_CHUNK = 512  # tokens per forward when catching up on many: bounds the mask, allows cancelling
-
-
-def prefill(runner, tokens: torch.Tensor, cancelled: Callable[[], bool] | None = None) -> bool:
-    """Append `tokens` (n,) to `runner`'s committed sequence, PREFILL_CHUNK at a time. Returns False if
-    `cancelled()` turned true between two chunks (what was prefilled stays)."""
-    for first in range(0, tokens.numel(), PREFILL_CHUNK):
-        runner.extend(tokens[first : first + PREFILL_CHUNK])
-        if cancelled is not None and cancelled():
-            return False
-    return True
-
-
-def make_runner(model, capacity: int, trees: bool = True):
-    """The runner for `model`'s backend: `LlamaCppRunner` for a llama.cpp model, else `ModelRunner`;
-    `capacity` slots to start with (`reserve` adds more). `trees=False` for plain decoding: a llama.cpp
-    context then starts with one sequence, and moves to all of them only at a first tree."""
-    if getattr(model, "backend", "torch") == "llamacpp":
-        from specexec.llamacpp import LlamaCppRunner
-
-        return LlamaCppRunner(model, capacity, trees=trees)
-    return ModelRunner(model, capacity)
-
-
-def clock(device: torch.device) -> float:
-    """Wall-clock seconds, after the device has finished its queued work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

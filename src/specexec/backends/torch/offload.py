@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from specexec.runner import clock
+from specexec.timing import clock
 
 QUANT_CHOICES = ("nf4",)
 ALIGN = 256  # bytes: every tensor in a packed buffer starts at a multiple (vectorised kernels need 16)

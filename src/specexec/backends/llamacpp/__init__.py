@@ -1,0 +1,40 @@
+"""The llama.cpp backend: GGUF models run by ggml's maintained kernels (llama-cpp-python's low-level API),
+trees verified in one `llama_decode` with a sequence id per leaf."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from specexec.backends.base import LoadOptions
+from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB
+from specexec.backends.llamacpp.library import INSTALL_HINT, LlamaCppError
+from specexec.backends.llamacpp.model import LlamaCppModel
+
+LABEL = "llama.cpp"
+WEIGHTS = "gguf"
+Error = LlamaCppError  # what `load` raises for a file llama.cpp cannot run
+
+
+def unavailable() -> str | None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}"
+    return None
+
+
+def refusal(given: list[tuple[str, str]]) -> str | None:
+    """llama.cpp runs the GGUF's own weights: every option but the thread count and the draft's
+    vocabulary is the torch backend's. `given` holds (option key, the option in the user's words)."""
+    for key, words in given:
+        if key not in ("threads", "vocab"):
+            return f"{words} is for the torch backend; llama.cpp runs the GGUF's own weights"
+    return None
+
+
+def load(path: Path, options: LoadOptions) -> LlamaCppModel:
+    return LlamaCppModel(path, options.threads, options.vocab, always=options.always)
+
+
+def default_draft_vocab(vocab_size: int) -> int:
+    """`--draft-vocab auto`: DEFAULT_DRAFT_VOCAB ids for a draft with a larger vocabulary."""
+    return DEFAULT_DRAFT_VOCAB if vocab_size > DEFAULT_DRAFT_VOCAB else 0

@@ -1,0 +1,44 @@
+"""llama-cpp-python's low-level API, loaded once with its log quieted; the backend's error and limits."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the committed one, the rest leaves
+CPU = torch.device("cpu")
+INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
+
+
+class LlamaCppError(RuntimeError):
+    """The llama.cpp backend cannot run this request; the message says why."""
+
+
+def llama_cpp_library():
+    """The `llama_cpp` module, its backend initialised and its log routed to stderr for errors only."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise LlamaCppError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from None
+    _quiet(llama_cpp)
+    return llama_cpp
+
+
+_LOG_CALLBACK = None
+
+
+def _quiet(llama_cpp) -> None:
+    """Route llama.cpp's log to stderr for errors only (its default prints every loaded tensor)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+
+        @llama_cpp.llama_log_callback
+        def errors_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            if level == 4:  # GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode("utf-8", "replace"))
+
+        _LOG_CALLBACK = errors_only
+        llama_cpp.llama_backend_init()
+    llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))

@@ -1,0 +1,36 @@
+"""The torch backend: Hugging Face causal LMs (float32/bfloat16, low-bit CPU weights, GPU offloading), run
+by a native Llama-family forward or the model's own forward over slot-addressed KV buffers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specexec.backends.base import LoadOptions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+LABEL = "torch"
+WEIGHTS = "folder"
+
+
+def unavailable() -> str | None:
+    return None  # torch is a dependency of specexec itself
+
+
+def refusal(given: list[tuple[str, str]]) -> str | None:
+    return None  # every load option is this backend's
+
+
+def load(path: Path, options: LoadOptions) -> PreTrainedModel:
+    """The model in the Hugging Face folder `path`, in eval mode on the CPU, as `options` ask. It stays a
+    `transformers` model (the benchmark's Hugging Face methods run it as one); `as_model` adapts it."""
+    from specexec.backends.torch.loading import load_folder
+
+    return load_folder(path, options)
+
+
+def default_draft_vocab(vocab_size: int) -> int:
+    """`--draft-vocab auto` keeps the whole head: the reduced head was not measured faster here."""
+    return 0

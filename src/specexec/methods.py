@@ -1,0 +1,161 @@
+"""The decoding methods, one entry each: how a method drafts, how its drafts are verified, its default
+budget and the options it reads. The engine, the benchmark, the server and the command line all read
+this registry; adding a method is one entry in METHODS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specexec.budget import ChainCostStop, ConfidenceStop, HeuristicLookahead
+from specexec.drafters import BestFirstDrafter, ChainDrafter, Draft, Drafter, NoDrafter, SampledTreeDrafter
+from specexec.sampling import SamplingParams
+from specexec.tree import DraftTree
+from specexec.verify import cache_walk, rejection_walk
+
+HEURISTIC_MAX_LENGTH = 64  # a ceiling for the heuristic schedule, which has none of its own
+DSL_MAX_LENGTH = 20  # the longest dsl chain under budget "auto"
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """The options that shape a method's drafts (each method reads its own, `Method.options`)."""
+
+    expand: int = 32
+    width: int = 8
+    max_rounds: int = 32
+    branches: int = 4
+    ngram: int = 0
+    lookahead_schedule: str = "constant"
+
+
+# The acceptance rule of a step: (tree, target logits, the draft, sampling, generator) -> (path, bonus).
+Rule = Callable[
+    [DraftTree, torch.Tensor, Draft, SamplingParams, torch.Generator | None], tuple[list[int], int]
+]
+
+
+def walk_cache(tree, logits, draft, sampling, generator) -> tuple[list[int], int]:
+    """SpecExec's cache walk: exact for any tree, however it was drafted (`verify.cache_walk`)."""
+    return cache_walk(tree, logits, sampling, generator)
+
+
+def walk_rejection(tree, logits, draft, sampling, generator) -> tuple[list[int], int]:
+    """Multi-draft rejection sampling against the distributions the draft sampled from
+    (`verify.rejection_walk`): accepts more than the cache walk at temperature > 0."""
+    return rejection_walk(tree, logits, draft.draft_probs, sampling, generator)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method.
+
+    `make_drafter(budget, options, confidence, cost_stop)` builds its drafter for one generation: `budget`
+    an integer, or the `AutoBudget` of an "auto" tree budget; `confidence` and `cost_stop` the stops of a
+    dsl chain (`cost_stop` under "auto" only).
+    """
+
+    name: str
+    summary: str
+    make_drafter: Callable[..., Drafter]
+    rule: Rule
+    default_budget: int | str
+    options: tuple[str, ...] = ()  # the DraftOptions fields it reads
+    auto: bool = False  # whether its budget may be "auto" (sized by the cost model)
+    tree: bool = False  # whether a budget is a tree's size (bounded by the leaves a backend verifies)
+    chain: bool = False  # whether "auto" sizes a chain (`ChainCostStop`) rather than a tree (`AutoBudget`)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether it needs a draft model."""
+        return self.default_budget != 0
+
+    def sized_by_cost(self, budget: int | str | None) -> bool:
+        """Whether a generation with `budget` (None: the method's default) is sized by the cost model."""
+        return self.auto and (self.default_budget if budget is None else budget) == "auto"
+
+
+def _sd(budget: int, options: DraftOptions, confidence: ConfidenceStop, cost_stop: None) -> Drafter:
+    if options.lookahead_schedule == "heuristic":
+        return ChainDrafter(
+            budget, schedule=HeuristicLookahead(budget), max_length=max(budget, HEURISTIC_MAX_LENGTH)
+        )
+    return ChainDrafter(budget)
+
+
+def _dsl(
+    budget: int, options: DraftOptions, confidence: ConfidenceStop, cost_stop: ChainCostStop | None
+) -> Drafter:
+    return ChainDrafter(budget, stop=confidence, cost_stop=cost_stop)
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        Method(
+            "ar",
+            "the target alone",
+            lambda budget, options, confidence, cost_stop: NoDrafter(),
+            walk_cache,
+            0,
+        ),
+        Method(
+            "sd",
+            "a chain of `budget` draft tokens and the rejection rule; `lookahead_schedule` 'heuristic' "
+            "adapts the length (+2 after a fully accepted draft, -1 otherwise)",
+            _sd,
+            walk_rejection,
+            4,
+            options=("lookahead_schedule",),
+        ),
+        Method(
+            "dsl",
+            "a chain that stops once the draft's probability for its own token drops below "
+            "`confidence_threshold` (adapted from observed acceptances if `adapt_threshold`), at most "
+            "`budget` tokens; under 'auto', also where drafting on is not expected to pay",
+            _dsl,
+            walk_rejection,
+            "auto",
+            auto=True,
+            chain=True,
+        ),
+        Method(
+            "specinfer",
+            "`branches` sampled chains, `budget` draft tokens in all, multi-draft rejection",
+            lambda budget, options, confidence, cost_stop: SampledTreeDrafter(budget, options.branches),
+            walk_rejection,
+            32,
+            options=("branches",),
+            tree=True,
+        ),
+        Method(
+            "specexec",
+            "a best-first tree of `budget` tokens (`expand` nodes per draft pass, `width` children per "
+            "node, at most `max_rounds` draft passes), verified by the cache walk; with `ngram` > 0, "
+            "prompt-lookup chains of up to `ngram` tokens are grafted into the tree",
+            lambda budget, options, confidence, cost_stop: BestFirstDrafter(
+                budget, options.expand, options.width, options.max_rounds, options.ngram
+            ),
+            walk_cache,
+            "auto",
+            options=("expand", "width", "max_rounds", "ngram"),
+            auto=True,
+            tree=True,
+        ),
+    )
+}
+
+
+class UnknownMethod(ValueError):
+    """A method name the registry does not have."""
+
+
+def method(name: str) -> Method:
+    """The method called `name`."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise UnknownMethod(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None

@@ -1,0 +1,101 @@
+"""The package's layering: no import circles, and no module above `specexec.backends` naming a runtime."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import specexec
+
+PACKAGE = Path(specexec.__file__).parent
+# Where a runtime may be named: the runtimes themselves, the command line's --backend choices, and the
+# plain llama.cpp peer of the benchmark (a method, not our backend).
+MAY_NAME_RUNTIMES = ("backends/", "cli_args.py", "cli.py", "bench/llamacpp.py", "bench/cli.py")
+
+
+def module_name(path: Path) -> str:
+    parts = ["specexec", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The specexec modules `path` imports anywhere in it (at the top or inside a function), leaving out
+    imports for type annotations only (under `if TYPE_CHECKING:`), which never run. The package imports
+    absolutely only, so a relative import fails here."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    for block in ast.walk(tree):
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING":
+            block.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in modules else node.module)
+    return {name for name in found if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imports_of(p, modules) - {module_name(p)} for p in paths}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_package_has_no_import_circle() -> None:
+    graph = import_graph()
+    assert "specexec.backends.base" in graph["specexec.engine"] | graph["specexec.drafters.base"]
+    assert circles(graph) == []
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_only_the_backends_and_the_command_line_name_a_runtime() -> None:
+    naming = re.compile(r"""["']llamacpp["']|backend\s*==""")
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not str(path.relative_to(PACKAGE)).startswith(MAY_NAME_RUNTIMES)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if naming.search(line)
+    ]
+    assert offenders == []
