@@ -422,3 +422,8 @@ def _eos_ids(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None, t
     if eos_token_id is None:
         return eos_token_ids(model, tokenizer)
     return sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+
+
+def probe(model: PreTrainedModel) -> None:
+    """One one-token forward on a fresh runner of `model`, to check the model still answers."""
+    make_runner(model, 1, trees=False).extend(torch.zeros(1, dtype=torch.long, device=model.device))

@@ -22,11 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from specexec.engine import GenerationError, Stats, stream
+from specexec.engine import GenerationError, Stats, probe, stream
 from specexec.prefix_cache import PrefixCache
-from specexec.runner import make_runner
 from specexec.server.metrics import Metrics
 from specexec.text import TextStream
 
@@ -393,9 +390,7 @@ class GenerationQueue:
         try:
             for model in (self.target, self.draft):
                 if model is not None:
-                    make_runner(model, 1, trees=False).extend(
-                        torch.zeros(1, dtype=torch.long, device=model.device)
-                    )
+                    probe(model)
         except Exception as err:  # reported by /health, not raised: the worker goes on
             log.exception("health probe failed")
             update = Update(error=err)
