@@ -140,6 +140,7 @@ class SSEResponse(StreamingResponse):
 
 
 def as_api_error(err: BaseException) -> APIError:
+    """The API error a failed generation is answered with (its details stay in the log when a 500)."""
     if isinstance(err, APIError):
         return err
     if isinstance(err, GenerationError):
