@@ -27,7 +27,7 @@ from server_helpers import CONTEXT_WINDOW, SlowModel, byte_tokenizer, live_serve
 
 import specexec
 from specexec.server import add_serve_arguments, create_app
-from specexec.server.app import STALL_SECONDS
+from specexec.server.routes import STALL_SECONDS
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
