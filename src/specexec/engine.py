@@ -15,8 +15,8 @@ from specexec.budget import (
     CostModel,
     HeuristicLookahead,
     LearntPolicies,
-    cached_cost_model,
 )
+from specexec.calibration import cached_cost_model
 from specexec.drafters import (
     BestFirstDrafter,
     ChainDrafter,

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specexec.runner import PREFILL_CHUNK, ModelRunner, prefill
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specexec.runner import ModelRunner
 
 
 @dataclass
@@ -96,6 +98,9 @@ class TreeDraftRunner:
     def expand_root(self) -> torch.Tensor:
         """Draft logits (1, V) for the root's children; also feeds the committed tokens it has not seen
         (the latest `catch_up` of them)."""
+        # Imported here: the runners bring in transformers, which the drafters' callers need not import.
+        from specexec.runner import PREFILL_CHUNK, prefill
+
         unread = self.request.committed.numel() - self.runner.read
         if self.catch_up is not None and unread > self.catch_up:
             self.runner.skip(unread - self.catch_up)
