@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from specexec import budget, engine
+from specexec import budget, calibration, engine
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts
 
@@ -41,7 +41,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, backend="llamacpp", threads=args.threads)
     draft = load_model(args.draft, backend="llamacpp", threads=args.threads, vocab=args.draft_vocab)
-    cost = budget.cached_cost_model(target, draft)
+    cost = calibration.cached_cost_model(target, draft)
     one = cost.target_seconds(1)
 
     drafted: list[float] = []  # the cost-model seconds of each drafted step, as the gate records them

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Generic, Protocol
 
 import pytest
 import torch
@@ -17,15 +19,19 @@ from specexec.backends.torch.runner import ModelRunner
 from specexec.budget import (
     AcceptanceModel,
     AutoBudget,
+    ChainBudget,
     ChainCostStop,
+    ChainStop,
     ConfidenceStop,
     CostModel,
     HeuristicLookahead,
+    LookaheadSchedule,
+    TreeBudget,
     best_threshold,
-    cached_cost_model,
     catch_up_window,
 )
-from specexec.drafters import ChainDrafter, DraftRequest
+from specexec.calibration import cached_cost_model
+from specexec.drafters import BestFirstDrafter, ChainDrafter, DraftRequest
 from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree
@@ -262,27 +268,27 @@ def test_auto_budget_generation_is_exact_and_follows_the_regime(models, referenc
 
 
 def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) -> None:
-    from specexec import budget
+    from specexec import calibration
 
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
     target, draft, _ = models
     first = cached_cost_model(target, draft)
     # Every size from 1 up to where a forward stops paying (REPAY_LIMIT; a tiny model's costs are mostly
     # per-call overhead, so how far that is depends on the machine).
-    for curve, sizes in ((first.target, budget.TARGET_SIZES), (first.draft, budget.DRAFT_SIZES)):
+    for curve, sizes in ((first.target, calibration.TARGET_SIZES), (first.draft, calibration.DRAFT_SIZES)):
         assert list(curve) == list(sizes[: len(curve)]) and len(curve) >= 2
     assert all(v > 0 for v in [*first.target.values(), *first.draft.values()])
     assert list((tmp_path / "calibration").glob("*.json"))
-    monkeypatch.setattr("specexec.budget.calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
+    monkeypatch.setattr("specexec.calibration.calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
     assert cached_cost_model(target, draft).target == first.target
 
 
 def calibrate_on_a_fake_clock(
     models, monkeypatch, seconds: Callable[[int, int], float]
 ) -> tuple[CostModel, list[int]]:
-    """`budget.calibrate` over runners whose k-th forward of n tokens takes `seconds(n, k)` on a fake
-    clock; also returns the sizes forwarded, in order."""
-    from specexec import budget
+    """`calibration.calibrate` over runners whose k-th forward of n tokens takes `seconds(n, k)` on a
+    fake clock; also returns the sizes forwarded, in order."""
+    from specexec import calibration
 
     now = [0.0]
     seen: list[int] = []
@@ -298,10 +304,10 @@ def calibrate_on_a_fake_clock(
         def keep(self, slots) -> None:
             pass
 
-    monkeypatch.setattr(budget, "make_runner", FakeRunner)
-    monkeypatch.setattr(budget, "clock", lambda device: now[0])
+    monkeypatch.setattr(calibration, "make_runner", FakeRunner)
+    monkeypatch.setattr(calibration, "clock", lambda device: now[0])
     target, draft, _ = models
-    return budget.calibrate(target, draft, progress=False), seen
+    return calibration.calibrate(target, draft, progress=False), seen
 
 
 def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatch) -> None:
@@ -685,3 +691,68 @@ def test_after_a_pause_the_draft_skips_what_it_missed_and_the_cache_stays_consis
     assert out.tokens == expected.tolist()
     assert out.stats.cached_tokens == len(entry.tokens) - 1  # all the target had read (not the last token)
     assert draft_forwards[0] == len(follow_up) - 1 - runner.cut
+
+
+class OnlyThe:
+    """A policy seen through `protocol`: any other member is an AttributeError."""
+
+    def __init__(self, protocol: type, policy: object) -> None:
+        bases = [base for base in protocol.__mro__ if base not in (Protocol, Generic, object)]
+        members = {name for base in bases for name in [*vars(base), *base.__annotations__]}
+        object.__setattr__(self, "_members", members)
+        object.__setattr__(self, "_policy", policy)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._policy, self._member(name))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self._policy, self._member(name), value)
+
+    def _member(self, name: str) -> str:
+        if name.startswith("_") or name not in self._members:
+            raise AttributeError(f"{name!r} is not part of the drafter's interface")
+        return name
+
+
+def snapshot(value: object) -> object:
+    """A comparable copy of everything a policy holds."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, list | tuple | deque):
+        return [snapshot(v) for v in value]
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    return snapshot(vars(value)) if hasattr(value, "__dict__") else value
+
+
+@pytest.mark.parametrize(
+    ("make_policy", "make_drafter", "protocol"),
+    [
+        (lambda: AutoBudget(FLAT, max_budget=16), lambda p: BestFirstDrafter(p, expand=4), TreeBudget),
+        (lambda: ChainCostStop(FLAT, max_length=8), lambda p: ChainDrafter(8, cost_stop=p), ChainBudget),
+        (lambda: ConfidenceStop(0.3), lambda p: ChainDrafter(8, stop=p), ChainStop),
+        (
+            lambda: HeuristicLookahead(9),
+            lambda p: ChainDrafter(2, schedule=p, max_length=4),
+            LookaheadSchedule,
+        ),
+    ],
+)
+def test_drafters_ask_their_policies_only_through_the_narrow_interface(
+    models, make_policy, make_drafter, protocol
+) -> None:
+    """Seeing only the protocol's members, a drafter drafts what it drafts with the whole policy, and the
+    policy learns the same."""
+    _, draft, prompt = models
+    no_eos = torch.zeros(0, dtype=torch.long)
+    seen = []
+    for narrow in (False, True):
+        policy = make_policy()
+        drafter = make_drafter(OnlyThe(protocol, policy) if narrow else policy)
+        runner = ModelRunner(draft, 128)
+        runner.extend(prompt[:-1])
+        proposal = drafter.propose(DraftRequest(prompt, 20, no_eos, 64, SamplingParams(), None, runner))
+        assert proposal.tree.size > 2  # test design: the policy let it draft
+        drafter.observe(proposal, [1])
+        seen.append((proposal.tree.tokens[: proposal.tree.size].tolist(), snapshot(policy)))
+    assert seen[0] == seen[1]

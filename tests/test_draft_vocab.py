@@ -91,7 +91,7 @@ def test_greedy_is_the_targets_with_a_restricted_draft(arch: str, case: dict) ->
 
 
 def test_a_restricted_draft_gets_its_own_calibration() -> None:
-    from specexec.budget import _calibration_path
+    from specexec.calibration import _calibration_path
 
     target = quantize_model(tiny_model("qwen2", seed=0, **SHAPE), "int4")
     full = quantize_model(tiny_model("qwen2", seed=0, **SHAPE), "int4")

@@ -1,25 +1,75 @@
-"""How much to speculate: lookahead schedules and stopping rules that adapt during generation."""
+"""How much to speculate: lookahead schedules and stopping rules that adapt during generation, and the
+interfaces the drafters use them through.
+
+Longer than 600 lines: the auto policies and their parts (cost model, acceptance rates, speculation gate,
+what carries over between generations) are one design, read together."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
-import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
-from tqdm.auto import tqdm
-from transformers import PreTrainedModel
 
-from specexec.backends import as_model, make_runner
-from specexec.paths import cache_root
-from specexec.timing import clock
 from specexec.tree import DraftTree
+
+# What the drafters ask of the policies below: nothing else of them, so a policy's internals (its cost
+# model, acceptance rates, gate) can change without touching a drafter.
+
+
+class LookaheadSchedule(Protocol):
+    """What `ChainDrafter` asks of a schedule that adapts the draft length between steps
+    (`HeuristicLookahead`); the drafter caps `length` at its own ceiling after each step."""
+
+    length: int
+
+    def observe(self, drafted: int, accepted: int) -> None: ...
+
+
+class ChainStop(Protocol):
+    """What `ChainDrafter` asks of a rule that ends a draft chain early (`ConfidenceStop`)."""
+
+    def should_stop(self, confidence: float) -> bool: ...
+    def observe(self, confidences: list[float], accepted: int) -> None: ...
+
+
+class DraftingSwitch(Protocol):
+    """Whether a step drafts, and how much the draft reads after plain steps (`DraftingPolicy`)."""
+
+    @property
+    def catch_up(self) -> int | None: ...
+    def drafts_now(self) -> bool: ...
+    def may_draft(self, steps: int = 1) -> bool: ...
+
+
+class ChainBudget(DraftingSwitch, ChainStop, Protocol):
+    """What `ChainDrafter` asks of a cost stop (`ChainCostStop`): a chain stop that also switches drafting
+    off, and learns how many tokens each chain's first draft pass took in."""
+
+    def observe(self, confidences: list[float], accepted: int, first_pass_tokens: int = 1) -> None: ...
+
+
+class TreeBudget(DraftingSwitch, Protocol):
+    """What `BestFirstDrafter` asks of an auto budget (`AutoBudget`): how large a tree may grow, how many
+    nodes each draft pass expands, which tree is verified, and what each verification taught."""
+
+    @property
+    def max_budget(self) -> int: ...
+    def draft_pass_seconds(self, nodes: int) -> float: ...
+    def child_acceptance(self, best_child_probs: torch.Tensor) -> float: ...
+    def node_probs(self, tree: DraftTree) -> torch.Tensor: ...
+    def frontier_size(
+        self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_accept: float
+    ) -> int: ...
+    def best_size(self, ranked_probs: torch.Tensor, draft_seconds: float) -> tuple[int, float]: ...
+    def step_seconds(self, size: int, draft_seconds: float) -> float: ...
+    def observe(self, tree: DraftTree, path: Sequence[int], drafted: int) -> None: ...
+    def record(self, tokens: int, seconds: float) -> None: ...
 
 
 class HeuristicLookahead:
@@ -362,6 +412,15 @@ class AutoBudget(DraftingPolicy):
         self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
         self.chain_times = chain_seconds(cost, CHAIN_CHECK)
 
+    def draft_pass_seconds(self, nodes: int) -> float:
+        """The cost model's time for a draft pass over `nodes` nodes."""
+        return self.cost.draft_seconds(nodes)
+
+    def child_acceptance(self, best_child_probs: torch.Tensor) -> float:
+        """How likely a best child is to be accepted after its parent: the mean learnt rate of the draft
+        probabilities of a round's best children, (F,)."""
+        return float(self.acceptance(best_child_probs).mean())
+
     def node_probs(self, tree: DraftTree) -> torch.Tensor:
         """P for every node of `tree` (the root: 1), (size,)."""
         size = tree.size
@@ -376,6 +435,10 @@ class AutoBudget(DraftingPolicy):
         values = gains - self.gate.floor_rate * (draft_seconds + self.target_table[: len(gains)])  # (n+1,)
         best = int(values.argmax())
         return best, float(values[best])
+
+    def step_seconds(self, size: int, draft_seconds: float) -> float:
+        """T(b) of a step that spent `draft_seconds` drafting and verifies `size` draft nodes."""
+        return draft_seconds + float(self.target_table[size])
 
     def frontier_size(
         self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_accept: float
@@ -415,6 +478,10 @@ class AutoBudget(DraftingPolicy):
         nodes = torch.arange(1, drafted)
         tried = nodes[on_path[tree.parents[1:drafted].cpu()]]
         self.acceptance.observe(_conditional_probs(tree)[tried], on_path[tried])
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """A drafted step's emitted tokens and its estimated time T(b), for the gate and λ."""
+        self.gate.record(tokens, seconds)
 
 
 def _conditional_probs(tree: DraftTree) -> torch.Tensor:
@@ -493,9 +560,9 @@ class LearntPolicies:
     kind of text (measured on MT-Bench, docs/benchmarks.md). One policy per model pair, method, sampling
     rule and cost model; generations sharing one must not run at the same time.
 
-    With `path` (one file per model pair: `persisted_policies`), policies start from what `save` last
-    wrote there, so a new process (one `specexec generate`) starts where the last one stopped. A file
-    that cannot be read is ignored: the policies then start fresh.
+    With `path` (one file per model pair: `calibration.persisted_policies`), policies start from what
+    `save` last wrote there, so a new process (one `specexec generate`) starts where the last one
+    stopped. A file that cannot be read is ignored: the policies then start fresh.
     """
 
     def __init__(self, path: str | os.PathLike | None = None) -> None:
@@ -540,12 +607,6 @@ class LearntPolicies:
         self._saved = states
 
 
-def persisted_policies(target: PreTrainedModel, draft: PreTrainedModel) -> LearntPolicies:
-    """The `LearntPolicies` of this pair on this machine, kept on disk beside its calibration."""
-    calibration = _calibration_path(target, draft, as_model(target).cost_label)
-    return LearntPolicies(calibration.parent.parent / "learnt" / calibration.name)
-
-
 # What the auto policies remember when they live across generations (`LearntPolicies`): per acceptance
 # bin, the last this many verified tokens; for λ, the last this many tokens of drafted steps.
 ACCEPTANCE_MEMORY = 256
@@ -556,141 +617,8 @@ PAYING_MAX_PAUSE = 64
 LOSING_MAX_PAUSE = 256
 CATCH_UP_PASSES = 0.5  # what a draft's catch-up after plain steps may cost, in target passes
 CATCH_UP_LIMIT = 1024  # a catch-up of this many tokens within that cost: no tokens are skipped
-
-# Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
-TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
-DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
-# A forward that costs more than this many one-token target passes cannot be repaid (no step is expected
-# to emit more tokens; published SpecExec trees reach about 20): larger sizes are not timed, and the
-# cost model extrapolates past the last one timed.
-REPAY_LIMIT = 20
-# Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
-CALIBRATION_FORMAT = "paired-ratios"
 CHAIN_CHECK = 32  # the longest chain `AutoBudget.worth_drafting` considers
 # What a drafted step costs beyond its forwards, as a share of them: the engine's own work per step and,
 # in llama.cpp, a compute graph rebuilt for every new batch shape (measured on 2 cores with the real
 # pair: 4-8% of a step's time, docs/benchmarks.md). `chain_pays` asks speculation to beat it.
 UNMODELED_STEP_COST = 0.10
-
-
-def calibrate(
-    target: PreTrainedModel,
-    draft: PreTrainedModel,
-    context: int = 256,
-    repeats: int = 3,
-    label: str = "",
-    progress: bool = True,
-) -> CostModel:
-    """Time a forward of n new tokens after a `context`-token prefix, per size and model.
-
-    Each sample of size n is taken right after a one-token forward of the same model and kept as the
-    ratio of the two: this machine's speed drifts (other tenants, clocks), often by tens of percent
-    within a minute, and a drift must move the whole curve, not the ratios the policies weigh sizes by.
-    A size's cost is then the median of its `repeats` ratios (2 from 256 tokens up, where a run is long
-    and steady) times the model's one-token cost, the median of all its one-token samples.
-
-    The curve is not forced to be monotone: llama.cpp's repacked kernels work on groups of rows, so a
-    batch can cost less than a smaller one (IQ4_NL on AVX-512: 4 tokens 1.56x of one, 3 tokens 2.1x),
-    and the policies, which maximise value over sizes, then verify 4 tokens rather than 3.
-
-    A warm-up round goes through each model's sizes in ascending order and stops a model's sizes at the
-    first one costing more than REPAY_LIMIT one-token target passes: on a CPU the sizes that cannot pay
-    are also the slow ones to time. Then the sizes take turns (one sample of every size, then the next
-    round).
-    """
-    models = {"target": target, "draft": draft}
-    runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
-    generator = torch.Generator().manual_seed(0)
-    vocab = min(as_model(m).vocab_size for m in models.values())
-
-    def time_forward(name: str, n: int) -> float:
-        runner = runners[name]
-        runner.keep(torch.arange(context, device=runner.device))
-        tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
-        start = clock(runner.device)
-        runner.extend(tokens, logits_to_keep=n)
-        return clock(runner.device) - start
-
-    def sample(name: str, n: int) -> tuple[float, float]:
-        """(one-token seconds, n-token seconds / one-token seconds). One token is timed in steady state,
-        right after another one-token forward: plain decoding and chain drafting repeat that shape, which
-        llama.cpp runs faster (it reuses its compute graph: 71 against 91 ms for the 1.5B target on 2
-        cores). Other sizes are timed after a one-token forward, as trees vary."""
-        time_forward(name, 1)
-        one = time_forward(name, 1)
-        return one, (time_forward(name, n) / one if n > 1 else 1.0)
-
-    sizes: dict[str, list[int]] = {"target": [], "draft": []}
-    with torch.inference_mode():
-        for runner in runners.values():
-            runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
-        with tqdm(desc="calibrating forward costs (warm-up)", disable=not progress, leave=False) as bar:
-            one_step = None
-            for name, candidates in (("target", TARGET_SIZES), ("draft", DRAFT_SIZES)):
-                for n in candidates:
-                    seconds = time_forward(name, n)
-                    bar.update()
-                    one_step = one_step or seconds
-                    sizes[name].append(n)
-                    if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
-                        break
-        runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
-        first = {n: (repeats - runs[n]) // 2 for n in runs}  # sizes timed fewer times take the middle rounds
-        jobs = [(name, n) for name in models for n in sizes[name]]
-        rounds = [
-            [(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)
-        ]
-        ones: dict[str, list[float]] = {name: [] for name in models}
-        ratios: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
-        with tqdm(
-            total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
-        ) as bar:
-            for round_ in rounds:
-                for name, n in round_:
-                    one, ratio = sample(name, n)
-                    ones[name].append(one)
-                    ratios[name][n].append(ratio)
-                    bar.update()
-    target_curve, draft_curve = (
-        {n: statistics.median(ones[name]) * statistics.median(r) for n, r in ratios[name].items()}
-        for name in models
-    )
-    return CostModel(target_curve, draft_curve, label)
-
-
-def cached_cost_model(
-    target: PreTrainedModel, draft: PreTrainedModel, recalibrate: bool = False
-) -> CostModel:
-    """The calibration of this pair on this machine, measured on first use and cached on disk.
-
-    The cache key covers both models (name, size, quantization, the w4a8 kernel build, scored
-    vocabulary and which forward runs them), their dtypes and devices, the thread count and the
-    target's offloading (real or simulated), so a change in any of them calibrates again.
-    """
-    label = as_model(target).cost_label
-    path = _calibration_path(target, draft, label)
-    if path.exists() and not recalibrate:
-        return CostModel.from_json(json.loads(path.read_text()))
-    cost = calibrate(target, draft, label=label)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cost.to_json(), indent=1))
-    return cost
-
-
-def is_calibrated(target: PreTrainedModel, draft: PreTrainedModel) -> bool:
-    """Whether `cached_cost_model` has this pair's calibration on disk (else it measures first)."""
-    return _calibration_path(target, draft, as_model(target).cost_label).exists()
-
-
-def _calibration_path(target: PreTrainedModel, draft: PreTrainedModel, label: str) -> Path:
-    key = "|".join(
-        [
-            as_model(target).cost_key(),
-            as_model(draft).cost_key(),
-            str(torch.get_num_threads()),
-            label,
-            CALIBRATION_FORMAT,
-        ]
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "calibration" / f"{digest}.json"

@@ -351,7 +351,7 @@ def backend_label(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specexec.budget import cached_cost_model, is_calibrated, persisted_policies
+    from specexec.calibration import cached_cost_model, is_calibrated, persisted_policies
     from specexec.engine import GenerationError, sized_by_cost, stream
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -420,7 +420,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from specexec.budget import cached_cost_model
+    from specexec.calibration import cached_cost_model
 
     _, target, draft = load_pair(args, need_draft=True)
     cost = cached_cost_model(target, draft, recalibrate=True)

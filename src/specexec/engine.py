@@ -16,8 +16,8 @@ from specexec.budget import (
     ConfidenceStop,
     CostModel,
     LearntPolicies,
-    cached_cost_model,
 )
+from specexec.calibration import cached_cost_model
 from specexec.drafters import Drafter, DraftRequest
 from specexec.drafters.base import tree_forward
 from specexec.methods import DSL_MAX_LENGTH, DraftOptions, Method, UnknownMethod, method

@@ -15,25 +15,25 @@ from collections.abc import Sequence
 
 import torch
 
-from specexec.budget import AutoBudget
+from specexec.budget import TreeBudget
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable, plain_step
 from specexec.drafters.lookup import graft_chain, ngram_continuation
 from specexec.tree import DraftTree
 
 
 class BestFirstDrafter(DrafterBase):
-    """`budget` is a node count, or an `AutoBudget` that sizes each step's tree, and how many nodes each
-    draft pass expands (at most `expand`), by expected speed."""
+    """`budget` is a node count, or an auto budget (`TreeBudget`) that sizes each step's tree, and how
+    many nodes each draft pass expands (at most `expand`), by expected speed."""
 
     def __init__(
         self,
-        budget: int | AutoBudget,
+        budget: int | TreeBudget,
         expand: int = 32,
         width: int = 8,
         max_rounds: int = 32,
         ngram: int = 0,
     ) -> None:
-        self.policy = budget if isinstance(budget, AutoBudget) else None
+        self.policy = None if isinstance(budget, int) else budget
         budget = self.policy.max_budget if self.policy else budget
         self.budget = budget
         self.expand = max(1, min(expand, budget))
@@ -60,9 +60,9 @@ class BestFirstDrafter(DrafterBase):
             log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
             if self.policy:
                 tokens = steps.first_pass_tokens if round_ == 0 else len(frontier)
-                draft_seconds += self.policy.cost.draft_seconds(tokens)
+                draft_seconds += self.policy.draft_pass_seconds(tokens)
                 # How likely a best child is to be accepted after its parent, judging by this round.
-                child_accept = float(self.policy.acceptance(log_probs[:, 0].exp()).mean())
+                child_accept = self.policy.child_acceptance(log_probs[:, 0].exp())
             scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
             fresh = scores.isfinite()
             first_new = tree.size
@@ -96,7 +96,7 @@ class BestFirstDrafter(DrafterBase):
             ranked = self._ranked(tree, key=probs)
             size, _ = self.policy.best_size(probs[ranked], draft_seconds)
             steps.keep_nodes(torch.cat([ranked.new_zeros(1), ranked[:size].sort().values]))
-            self.last_seconds = draft_seconds + float(self.policy.target_table[size])
+            self.last_seconds = self.policy.step_seconds(size, draft_seconds)
         drafted = tree.size
         if self.ngram:
             self._graft(tree, request)
@@ -116,7 +116,7 @@ class BestFirstDrafter(DrafterBase):
     def observe(self, draft: Draft, path: Sequence[int]) -> None:
         if self.policy and draft.draft_calls:  # grafted guesses carry no draft probability to learn from
             self.policy.observe(draft.tree, path, draft.tree.size - draft.grafted)
-            self.policy.gate.record(len(path) + 1, self.last_seconds)
+            self.policy.record(len(path) + 1, self.last_seconds)
 
     @staticmethod
     def _ranked(

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specexec.budget import ChainCostStop, ConfidenceStop, HeuristicLookahead
+from specexec.budget import ChainBudget, ChainStop, LookaheadSchedule
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable, plain_step
 from specexec.sampling import argmax, probs_from_logits, sample
 from specexec.tree import DraftTree
@@ -22,10 +22,10 @@ class ChainDrafter(DrafterBase):
     def __init__(
         self,
         length: int,
-        schedule: HeuristicLookahead | None = None,
-        stop: ConfidenceStop | None = None,
+        schedule: LookaheadSchedule | None = None,
+        stop: ChainStop | None = None,
         max_length: int | None = None,
-        cost_stop: ChainCostStop | None = None,
+        cost_stop: ChainBudget | None = None,
     ) -> None:
         self.length = length
         self.schedule = schedule

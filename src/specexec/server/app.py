@@ -64,8 +64,8 @@ def create_app(
 
     `method` and `budget` are `specexec.stream`'s (budget None: the method's default; "auto": sized per
     step from this pair's calibration, measured here once if not cached, and from what the auto budget
-    learnt, kept on disk after every request: `budget.persisted_policies`); `engine_options` are further
-    `stream` arguments, the same for every request (e.g. ``{"lookahead_schedule": "heuristic"}``).
+    learnt, kept on disk after every request: `calibration.persisted_policies`); `engine_options` are
+    further `stream` arguments, the same for every request (e.g. ``{"lookahead_schedule": "heuristic"}``).
     One generation runs at a time; at most `max_queue` requests wait behind it, and the next one gets a
     429. With `api_key`, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
     `eos_token_id` defaults to every end-of-sequence id of the model and tokenizer.
@@ -202,7 +202,7 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
     if unknown:
         raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
     if sized_by_cost(method, budget):
-        from specexec.budget import cached_cost_model, persisted_policies
+        from specexec.calibration import cached_cost_model, persisted_policies
 
         if options.get("cost_model") is None:
             options["cost_model"] = cached_cost_model(target, draft)  # calibrates now if not cached

@@ -1,0 +1,154 @@
+"""Measuring a model pair's forward costs on this machine, and where they and what the auto budgets learn
+are kept on disk (one file per pair, keyed by everything that changes the costs)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specexec.backends import as_model, make_runner
+from specexec.budget import CostModel, LearntPolicies
+from specexec.paths import cache_root
+from specexec.timing import clock
+
+# Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
+TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
+DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
+# A forward that costs more than this many one-token target passes cannot be repaid (no step is expected
+# to emit more tokens; published SpecExec trees reach about 20): larger sizes are not timed, and the
+# cost model extrapolates past the last one timed.
+REPAY_LIMIT = 20
+# Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
+CALIBRATION_FORMAT = "paired-ratios"
+
+
+def calibrate(
+    target,
+    draft,
+    context: int = 256,
+    repeats: int = 3,
+    label: str = "",
+    progress: bool = True,
+) -> CostModel:
+    """Time a forward of n new tokens after a `context`-token prefix, per size and model.
+
+    Each sample of size n is taken right after a one-token forward of the same model and kept as the
+    ratio of the two: this machine's speed drifts (other tenants, clocks), often by tens of percent
+    within a minute, and a drift must move the whole curve, not the ratios the policies weigh sizes by.
+    A size's cost is then the median of its `repeats` ratios (2 from 256 tokens up, where a run is long
+    and steady) times the model's one-token cost, the median of all its one-token samples.
+
+    The curve is not forced to be monotone: llama.cpp's repacked kernels work on groups of rows, so a
+    batch can cost less than a smaller one (IQ4_NL on AVX-512: 4 tokens 1.56x of one, 3 tokens 2.1x),
+    and the policies, which maximise value over sizes, then verify 4 tokens rather than 3.
+
+    A warm-up round goes through each model's sizes in ascending order and stops a model's sizes at the
+    first one costing more than REPAY_LIMIT one-token target passes: on a CPU the sizes that cannot pay
+    are also the slow ones to time. Then the sizes take turns (one sample of every size, then the next
+    round).
+    """
+    models = {"target": target, "draft": draft}
+    runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(as_model(m).vocab_size for m in models.values())
+
+    def time_forward(name: str, n: int) -> float:
+        runner = runners[name]
+        runner.keep(torch.arange(context, device=runner.device))
+        tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
+        start = clock(runner.device)
+        runner.extend(tokens, logits_to_keep=n)
+        return clock(runner.device) - start
+
+    def sample(name: str, n: int) -> tuple[float, float]:
+        """(one-token seconds, n-token seconds / one-token seconds). One token is timed in steady state,
+        right after another one-token forward: plain decoding and chain drafting repeat that shape, which
+        llama.cpp runs faster (it reuses its compute graph: 71 against 91 ms for the 1.5B target on 2
+        cores). Other sizes are timed after a one-token forward, as trees vary."""
+        time_forward(name, 1)
+        one = time_forward(name, 1)
+        return one, (time_forward(name, n) / one if n > 1 else 1.0)
+
+    sizes: dict[str, list[int]] = {"target": [], "draft": []}
+    with torch.inference_mode():
+        for runner in runners.values():
+            runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
+        with tqdm(desc="calibrating forward costs (warm-up)", disable=not progress, leave=False) as bar:
+            one_step = None
+            for name, candidates in (("target", TARGET_SIZES), ("draft", DRAFT_SIZES)):
+                for n in candidates:
+                    seconds = time_forward(name, n)
+                    bar.update()
+                    one_step = one_step or seconds
+                    sizes[name].append(n)
+                    if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
+                        break
+        runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
+        first = {n: (repeats - runs[n]) // 2 for n in runs}  # sizes timed fewer times take the middle rounds
+        jobs = [(name, n) for name in models for n in sizes[name]]
+        rounds = [
+            [(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)
+        ]
+        ones: dict[str, list[float]] = {name: [] for name in models}
+        ratios: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
+        with tqdm(
+            total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
+        ) as bar:
+            for round_ in rounds:
+                for name, n in round_:
+                    one, ratio = sample(name, n)
+                    ones[name].append(one)
+                    ratios[name][n].append(ratio)
+                    bar.update()
+    target_curve, draft_curve = (
+        {n: statistics.median(ones[name]) * statistics.median(r) for n, r in ratios[name].items()}
+        for name in models
+    )
+    return CostModel(target_curve, draft_curve, label)
+
+
+def cached_cost_model(target, draft, recalibrate: bool = False) -> CostModel:
+    """The calibration of this pair on this machine, measured on first use and cached on disk.
+
+    The cache key covers both models (name, size, quantization, the w4a8 kernel build, scored
+    vocabulary and which forward runs them), their dtypes and devices, the thread count and the
+    target's offloading (real or simulated), so a change in any of them calibrates again.
+    """
+    path = _calibration_path(target, draft)
+    if path.exists() and not recalibrate:
+        return CostModel.from_json(json.loads(path.read_text()))
+    cost = calibrate(target, draft, label=as_model(target).cost_label)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cost.to_json(), indent=1))
+    return cost
+
+
+def is_calibrated(target, draft) -> bool:
+    """Whether `cached_cost_model` has this pair's calibration on disk (else it measures first)."""
+    return _calibration_path(target, draft).exists()
+
+
+def persisted_policies(target, draft) -> LearntPolicies:
+    """The `LearntPolicies` of this pair on this machine, kept on disk beside its calibration."""
+    calibration = _calibration_path(target, draft)
+    return LearntPolicies(calibration.parent.parent / "learnt" / calibration.name)
+
+
+def _calibration_path(target, draft) -> Path:
+    """Where the pair's calibration is kept: keyed by what each model's forward costs depend on
+    (`Model.cost_key`), the thread count and the calibration's format."""
+    key = "|".join(
+        [
+            as_model(target).cost_key(),
+            as_model(draft).cost_key(),
+            str(torch.get_num_threads()),
+            CALIBRATION_FORMAT,
+        ]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "calibration" / f"{digest}.json"
