@@ -12,12 +12,12 @@ from specexec.bench.core import (
     BenchConfig,
     BenchError,
     BenchResult,
-    hf_assisted_settings,
     make_configs,
     parse_budgets,
     parse_methods,
     run_benchmark,
 )
+from specexec.bench.hf import hf_assisted_settings
 from specexec.bench.report import machine_info, markdown, read_records, summarize, write_outputs, write_plots
 
 __all__ = [
