@@ -19,11 +19,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from specexec.llamacpp import INSTALL_HINT
 from specexec.runner import clock
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 
 CPU = torch.device("cpu")
-INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
 
 
 class LlamaCpp:
