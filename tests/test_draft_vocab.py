@@ -98,4 +98,4 @@ def test_a_restricted_draft_gets_its_own_calibration() -> None:
     restricted = quantize_model(restrict_draft_vocab(tiny_model("qwen2", seed=0, **SHAPE), 64), "int4")
     # Quantized heads hold buffers, not parameters: the parameter count alone cannot tell them apart.
     assert sum(p.numel() for p in full.parameters()) == sum(p.numel() for p in restricted.parameters())
-    assert _calibration_path(target, full, "") != _calibration_path(target, restricted, "")
+    assert _calibration_path(target, full) != _calibration_path(target, restricted)

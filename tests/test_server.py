@@ -1032,7 +1032,7 @@ def test_serve_arguments_default_to_loopback():
 
 SERVE_SCRIPT = """
 import argparse, sys
-from specexec.cli import add_model_args
+from specexec.cli_args import add_model_args
 from specexec.server import add_serve_arguments, serve
 parser = argparse.ArgumentParser()
 add_model_args(parser)

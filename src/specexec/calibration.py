@@ -16,7 +16,7 @@ from specexec.budget import CostModel, LearntPolicies
 from specexec.paths import cache_root
 from specexec.timing import clock
 
-# Small sizes are dense: low-bit kernels (`specexec.quant`) make the cost jump after a few rows.
+# Small sizes are dense: low-bit kernels (`specexec.backends.torch.quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 # A forward that costs more than this many one-token target passes cannot be repaid (no step is expected

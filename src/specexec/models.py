@@ -101,9 +101,9 @@ def load_model(
 ):
     """Load a causal LM in eval mode on the CPU, on the backend `backend` names (see `specexec.backends`).
 
-    ``backend`` "llamacpp" loads a GGUF source into llama.cpp instead (running on ``threads`` threads);
-    "auto" picks it where `choose_backend` does. The torch backend's options (``dtype``, ``offload``,
-    ``quant``) are refused there.
+    ``backend`` is one of `specexec.backends.BACKENDS`, or "auto" (the first that can, `choose_backend`):
+    llama.cpp's runs a GGUF source as it is, on ``threads`` threads, and refuses the torch backend's
+    options (``dtype``, ``offload``, ``quant``).
 
     ``source`` is a local Hugging Face model folder (safetensors only), a ``.gguf`` file, or one of
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. On the torch backend, GGUF sources are converted once into a

@@ -6,18 +6,16 @@ the command line (`specexec bench`).
 """
 
 from specexec.bench.core import (
-    BENCH_METHODS,
-    BUDGET_METHODS,
-    HF_METHODS,
     BenchConfig,
-    BenchError,
     BenchResult,
-    hf_assisted_settings,
     make_configs,
     parse_budgets,
     parse_methods,
     run_benchmark,
 )
+from specexec.bench.errors import BenchError
+from specexec.bench.hf import hf_assisted_settings
+from specexec.bench.methods import BENCH_METHODS, BUDGET_METHODS, HF_METHODS
 from specexec.bench.report import machine_info, markdown, read_records, summarize, write_outputs, write_plots
 
 __all__ = [

@@ -11,15 +11,30 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-EXIT_FAILURE = 1
+from specexec.cli_args import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    OneLineParser,
+    add_model_args,
+    add_sampling_args,
+    int_at_least,
+    pair_spec,
+)
+from specexec.loading import PairSpec, draft_backend, draft_vocab, load_draft, load_pair
+
+if TYPE_CHECKING:
+    from specexec.bench.core import BenchConfig
+    from specexec.bench.llamacpp import LlamaCpp, LlamaCppSpeculative
 
 
 def _type(parse):
     """Turn a BenchError from `parse` into argparse's one-line usage error."""
 
     def convert(text: str):
-        from specexec.bench.core import BenchError
+        from specexec.bench.errors import BenchError
 
         try:
             return parse(text)
@@ -43,7 +58,7 @@ def _budgets(text: str) -> list[int]:
 
 
 def _ngrams(text: str) -> list[int]:
-    from specexec.bench.core import BenchError
+    from specexec.bench.errors import BenchError
 
     try:
         values = [int(part) for part in text.split(",")]
@@ -54,38 +69,8 @@ def _ngrams(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
 def add_bench_parser(subcommands) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to an `add_subparsers()` object; returns its parser."""
-    from specexec.bench.core import (
-        BENCH_METHODS,
-        DEFAULT_BRANCHES,
-        DEFAULT_BUDGETS,
-        DEFAULT_DSL_BUDGETS,
-        DEFAULT_EXPAND,
-        DEFAULT_LLAMACPP_SPEC_BUDGETS,
-        DEFAULT_METHODS,
-        DEFAULT_SD_BUDGETS,
-        DEFAULT_WIDTH,
-    )
-    from specexec.cli import add_model_args, add_sampling_args
-
-    def joined(values) -> str:
-        return ",".join(map(str, values))
-
     p = subcommands.add_parser(
         "bench",
         help="benchmark methods and budgets side by side on a prompt set",
@@ -96,8 +81,44 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
     p.add_argument(
         "--prompts", default="humaneval", help="humaneval, mtbench or a JSONL file (default humaneval)"
     )
-    p.add_argument("--n-prompts", type=_int_at_least(1), default=10, help="first N prompts (default 10)")
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
+    p.add_argument("--n-prompts", type=int_at_least(1), default=10, help="first N prompts (default 10)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    _add_config_args(p)
+    add_sampling_args(p)
+    p.add_argument(
+        "--warmup-tokens",
+        type=int_at_least(0),
+        default=16,
+        help="warm-up generation length per configuration, on the first prompt, not counted (0 = none)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=1,
+        help="time every (prompt, configuration) run this many times, the order reversed on every other "
+        "pass over the prompts; rows sum all repeats (default 1)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--out", required=True, help="output folder")
+    return p
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    """The options that make the configurations: methods, their budget lists and tree shapes."""
+    from specexec.bench.core import (
+        DEFAULT_BRANCHES,
+        DEFAULT_BUDGETS,
+        DEFAULT_DSL_BUDGETS,
+        DEFAULT_EXPAND,
+        DEFAULT_LLAMACPP_SPEC_BUDGETS,
+        DEFAULT_SD_BUDGETS,
+        DEFAULT_WIDTH,
+    )
+    from specexec.bench.methods import BENCH_METHODS, DEFAULT_METHODS
+
+    def joined(values) -> str:
+        return ",".join(map(str, values))
+
     p.add_argument(
         "--methods",
         type=_type(_methods),
@@ -124,11 +145,9 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         help="specinfer tree budgets (default: --budgets)",
     )
     p.add_argument(
-        "--expand", type=_int_at_least(1), default=DEFAULT_EXPAND, help="specexec: nodes per draft pass"
+        "--expand", type=int_at_least(1), default=DEFAULT_EXPAND, help="specexec: nodes per draft pass"
     )
-    p.add_argument(
-        "--width", type=_int_at_least(1), default=DEFAULT_WIDTH, help="specexec: children per node"
-    )
+    p.add_argument("--width", type=int_at_least(1), default=DEFAULT_WIDTH, help="specexec: children per node")
     p.add_argument(
         "--dsl-budgets",
         type=_type(_budgets),
@@ -136,7 +155,7 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         help="dsl: 'auto' (chains cut where they stop paying) and/or the longest confidence-stopped chain "
         f"(default {joined(DEFAULT_DSL_BUDGETS)})",
     )
-    p.add_argument("--branches", type=_int_at_least(1), default=DEFAULT_BRANCHES, help="specinfer: chains")
+    p.add_argument("--branches", type=int_at_least(1), default=DEFAULT_BRANCHES, help="specinfer: chains")
     p.add_argument(
         "--llamacpp-spec-budgets",
         type=_type(_budgets),
@@ -149,29 +168,12 @@ def add_bench_parser(subcommands) -> argparse.ArgumentParser:
         default=[0],
         help="specexec: prompt-lookup tokens grafted per chain, a comma-separated list (default 0 = off)",
     )
-    add_sampling_args(p)
-    p.add_argument(
-        "--warmup-tokens",
-        type=_int_at_least(0),
-        default=16,
-        help="warm-up generation length per configuration, on the first prompt, not counted (0 = none)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=_int_at_least(1),
-        default=1,
-        help="time every (prompt, configuration) run this many times, the order reversed on every other "
-        "pass over the prompts; rows sum all repeats (default 1)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--out", required=True, help="output folder")
-    return p
 
 
 def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """Run `specexec bench` from parsed arguments; errors print one line and return 1."""
     from specexec.backends.torch.quant import QuantError
-    from specexec.bench.core import BenchError
+    from specexec.bench.errors import BenchError
     from specexec.draft_vocab import DraftVocabError
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
@@ -189,10 +191,10 @@ def _run(args: argparse.Namespace, command: str) -> int:
     import importlib.util
     from pathlib import Path
 
-    from specexec.bench.core import DRAFT_METHODS, BenchError, make_configs, run_benchmark
+    from specexec.bench.core import run_benchmark
+    from specexec.bench.errors import BenchError
+    from specexec.bench.methods import DRAFT_METHODS
     from specexec.bench.report import machine_info, write_outputs
-    from specexec.cli import backend_label, draft_backend, draft_vocab, load_draft, load_pair
-    from specexec.draft_vocab import check_draft_vocab
     from specexec.models import load_tokenizer
     from specexec.prompts import load_prompts
 
@@ -200,14 +202,74 @@ def _run(args: argparse.Namespace, command: str) -> int:
         raise BenchError("the plots need matplotlib: pip install 'specexec[bench]'")
     tokenizer = load_tokenizer(args.target)
     need_draft = any(method in DRAFT_METHODS for method in args.methods)
-    vocabs = [0]
-    if need_draft:
-        backend = draft_backend(args, args.quant[0])
-        vocabs = list(dict.fromkeys(draft_vocab(v, backend, len(tokenizer)) for v in args.draft_vocab))
-        for n in vocabs:
-            if n:
-                check_draft_vocab(n, len(tokenizer))  # before any model loads
-    configs = make_configs(
+    spec = pair_spec(args, with_draft=need_draft, quant=args.quant[0], draft_vocab=0)  # resolved next
+    vocabs = _draft_vocabs(spec, args.draft_vocab, len(tokenizer)) if need_draft else [0]
+    configs = _configs(args, vocabs)
+    prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
+    if not prompts:
+        raise BenchError(f"prompt set {args.prompts!r} has no prompts")
+    llamacpp, llamacpp_spec = _llamacpp_runners(args, max(len(p.input_ids) for p in prompts))
+    # The pairs' drafts score the first --draft-vocab value; each other value loads a draft of its own.
+    spec = replace(spec, draft_vocab=vocabs[0])
+    pairs = {level: load_pair(replace(spec, quant=level)) for level in args.quant}
+    main_pair = pairs[args.quant[0]]
+    drafts = {n: load_draft(replace(spec, draft_vocab=n), main_pair.tokenizer).model for n in vocabs[1:]}
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result = run_benchmark(
+        main_pair.target,
+        main_pair.draft,
+        main_pair.tokenizer,
+        prompts,
+        configs,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        warmup_tokens=args.warmup_tokens,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+        records_path=Path(args.out) / "records.jsonl",  # rewritten in order at the end
+        quantized={level: (pair.target, pair.draft) for level, pair in list(pairs.items())[1:]},
+        drafts=drafts,
+        llamacpp=llamacpp,
+        llamacpp_spec=llamacpp_spec,
+    )
+    last = list(pairs.values())[-1]  # several levels: the report names the last one's backends
+    machine = machine_info(
+        dtype=str(main_pair.target.dtype).removeprefix("torch."),
+        simulated_offload=last.simulated,
+        command=command,
+        target=args.target,
+        draft=args.draft if need_draft else None,
+        prompt_set=args.prompts,
+        seed=args.seed,
+        draft_quant=args.draft_quant,
+        backend=last.backend_label,
+    )
+    paths = write_outputs(args.out, result, machine)
+    _print_rows(result.rows)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0
+
+
+def _draft_vocabs(spec: PairSpec, requested: list[int | str], vocab_size: int) -> list[int]:
+    """--draft-vocab's values as numbers, each checked against the vocabulary before any model loads."""
+    from specexec.draft_vocab import check_draft_vocab
+
+    backend = draft_backend(spec)
+    vocabs = list(dict.fromkeys(draft_vocab(value, backend, vocab_size) for value in requested))
+    for n in vocabs:
+        if n:
+            check_draft_vocab(n, vocab_size)
+    return vocabs
+
+
+def _configs(args: argparse.Namespace, vocabs: list[int]) -> list[BenchConfig]:
+    from specexec.bench.core import make_configs
+
+    return make_configs(
         args.methods,
         args.budgets,
         sd_budgets=args.sd_budgets,
@@ -221,65 +283,31 @@ def _run(args: argparse.Namespace, command: str) -> int:
         dsl_budgets=args.dsl_budgets,
         llamacpp_spec_budgets=args.llamacpp_spec_budgets,
     )
-    prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
-    if not prompts:
-        raise BenchError(f"prompt set {args.prompts!r} has no prompts")
+
+
+def _llamacpp_runners(
+    args: argparse.Namespace, longest_prompt: int
+) -> tuple[LlamaCpp | None, LlamaCppSpeculative | None]:
+    """llama.cpp's own runners for the llamacpp and llamacpp-spec methods (None where not asked for)."""
+    from specexec.models import gguf_file
+
     llamacpp = llamacpp_spec = None
-    longest = max(len(p.input_ids) for p in prompts)
     if "llamacpp" in args.methods:
         from specexec.bench.llamacpp import LlamaCpp
-        from specexec.models import gguf_file
 
-        llamacpp = LlamaCpp(gguf_file(args.target), longest + args.max_new_tokens + 8, args.threads)
+        llamacpp = LlamaCpp(gguf_file(args.target), longest_prompt + args.max_new_tokens + 8, args.threads)
     if "llamacpp-spec" in args.methods:
         from specexec.bench.llamacpp import LlamaCppSpeculative
-        from specexec.models import gguf_file
 
-        context = longest + args.max_new_tokens + max(args.llamacpp_spec_budgets) + 8
+        context = longest_prompt + args.max_new_tokens + max(args.llamacpp_spec_budgets) + 8
         llamacpp_spec = LlamaCppSpeculative(
             gguf_file(args.target), gguf_file(args.draft), context, args.threads
         )
-    # The pairs' drafts score the first --draft-vocab value; each other value loads a draft of its own.
-    tokenizer, target, draft = load_pair(args, need_draft, quant=args.quant[0], vocab=vocabs[0])
-    quantized = {
-        level: load_pair(args, need_draft, quant=level, vocab=vocabs[0])[1:] for level in args.quant[1:]
-    }
-    drafts = {n: load_draft(args, args.quant[0], n) for n in vocabs[1:]} if need_draft else {}
+    return llamacpp, llamacpp_spec
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    result = run_benchmark(
-        target,
-        draft,
-        tokenizer,
-        prompts,
-        configs,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        warmup_tokens=args.warmup_tokens,
-        repeats=args.repeats,
-        progress=not args.no_progress,
-        records_path=Path(args.out) / "records.jsonl",  # rewritten in order at the end
-        quantized=quantized,
-        drafts=drafts,
-        llamacpp=llamacpp,
-        llamacpp_spec=llamacpp_spec,
-    )
-    machine = machine_info(
-        dtype=str(target.dtype).removeprefix("torch."),
-        simulated_offload=args.simulated,
-        command=command,
-        target=args.target,
-        draft=args.draft if need_draft else None,
-        prompt_set=args.prompts,
-        seed=args.seed,
-        draft_quant=args.draft_quant,
-        backend=backend_label(args),
-    )
-    paths = write_outputs(args.out, result, machine)
-    for row in result.rows:
+
+def _print_rows(rows: list[dict]) -> None:
+    for row in rows:
         speedup = "n/a" if row["speedup_vs_ar"] is None else f"{row['speedup_vs_ar']:.2f}x"
         tps = "n/a" if row["tokens_per_step"] is None else f"{row['tokens_per_step']:.2f}"
         print(
@@ -288,14 +316,10 @@ def _run(args: argparse.Namespace, command: str) -> int:
             f"identical to ar: {row['identical_to_ar']}",
             file=sys.stderr,
         )
-    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`specexec bench` without the rest of the CLI: `python -m specexec.bench --prompts ... --out DIR`."""
-    from specexec.cli import OneLineParser
-
     parser = OneLineParser(prog="specexec")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     add_bench_parser(commands)
@@ -311,4 +335,4 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(args, command)
     except KeyboardInterrupt:
         print("specexec: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

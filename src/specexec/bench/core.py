@@ -29,37 +29,34 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import product
+from typing import Any
 
-import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specexec.backends import as_model
 from specexec.backends.torch.quant import QUANT_MODES, quant_label
+from specexec.bench.errors import BenchError
+from specexec.bench.hf import run_hf
+from specexec.bench.llamacpp import PLAIN, SPECULATIVE
+from specexec.bench.methods import (
+    AUTO_METHODS,
+    BENCH_METHODS,
+    BUDGET_METHODS,
+    DRAFT_METHODS,
+    ENGINE_DRAFT_METHODS,
+    EXTERNAL_METHODS,
+    HF_METHODS,
+)
 from specexec.budget import LearntPolicies
 from specexec.engine import generate
-from specexec.methods import METHODS
 from specexec.models import eos_token_ids
 from specexec.prompts import Prompt
 from specexec.sampling import SamplingParams
 from specexec.timing import clock
-
-ENGINE_METHODS = tuple(METHODS)
-AUTO_METHODS = tuple(name for name, m in METHODS.items() if m.auto)
-HF_METHODS = ("hf-assisted", "hf-lookup")
-# Other runtimes, optional extras, never in the default method list: llama.cpp's plain decoding and its
-# own speculative decoding (budget: the draft length).
-EXTERNAL_METHODS = ("llamacpp", "llamacpp-spec")
-BENCH_METHODS = ENGINE_METHODS + HF_METHODS + EXTERNAL_METHODS
-DEFAULT_METHODS = ENGINE_METHODS + HF_METHODS
-# The drafted methods the engine runs: those a budget and --draft-vocab apply to.
-ENGINE_DRAFT_METHODS = tuple(name for name, m in METHODS.items() if m.drafts)
-BUDGET_METHODS = (*ENGINE_DRAFT_METHODS, "llamacpp-spec")  # the methods a budget applies to
-DRAFT_METHODS = (*ENGINE_DRAFT_METHODS, "hf-assisted")
-PROMPT_LOOKUP_TOKENS = 10  # hf-lookup: prompt_lookup_num_tokens
 
 DEFAULT_BUDGETS = (16, 64, 256, 1024, "auto")
 DEFAULT_DSL_BUDGETS = ("auto",)
@@ -68,10 +65,6 @@ DEFAULT_LLAMACPP_SPEC_BUDGETS = (3, 8)
 DEFAULT_EXPAND = 32
 DEFAULT_WIDTH = 8
 DEFAULT_BRANCHES = 4
-
-
-class BenchError(ValueError):
-    """A benchmark that cannot run as asked (bad method or budget list, no prompts, missing draft, ...)."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +230,7 @@ def _level_configs(
         "dsl": dsl_budgets,
         "specinfer": [b for b in budgets if b != "auto"] if specinfer_budgets is None else specinfer_budgets,
         "specexec": budgets,
-        "llamacpp-spec": llamacpp_spec_budgets,
+        SPECULATIVE: llamacpp_spec_budgets,
     }
     configs = []
     for method in methods:
@@ -310,36 +303,68 @@ def run_benchmark(
     prompts = list(prompts)
     pairs = {quant_label(target): (target, draft), **(quantized or {})}
     drafts = dict(drafts or {})
-    external = {"llamacpp": llamacpp, "llamacpp-spec": llamacpp_spec}
+    external = {PLAIN: llamacpp, SPECULATIVE: llamacpp_spec}
     _check(
         pairs, drafts, external, prompts, configs, max_new_tokens, temperature, top_p, top_k, warmup_tokens,
         repeats,
     )  # fmt: skip
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    # As in a server: the auto budgets of each configuration keep learning from one prompt to the next.
-    learnt = LearntPolicies()
-
-    def run(config: BenchConfig, prompt: Prompt, tokens: int, prompt_seed: int) -> dict:
-        if config.method == "llamacpp":
-            return llamacpp.run(prompt.input_ids, tokens, prompt_seed, eos, **sampling)
-        if config.method == "llamacpp-spec":
-            return llamacpp_spec.run(
-                prompt.input_ids, tokens, prompt_seed, eos, draft_length=config.budget, **sampling
-            )
-        target, draft = pairs[config.quant]
-        draft = drafts.get(config.draft_vocab, draft)
-        if config.method in HF_METHODS:
-            return _run_hf(target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, **sampling)
-        return _run_engine(
-            target, draft, config, prompt.input_ids, tokens, prompt_seed, eos, learnt, **sampling
-        )
-
+    run = _ConfigRunner(pairs, drafts, external, eos, sampling)
     from tqdm.auto import tqdm
 
     if warmup_tokens > 0:
         for config in tqdm(configs, desc="warm-up", unit="config", file=sys.stderr, disable=not progress):
             run(config, prompts[0], min(warmup_tokens, max_new_tokens), seed)
+    records = _timed_runs(run, prompts, configs, max_new_tokens, seed, repeats, progress, records_path)
+    records.sort(key=lambda r: (r["prompt_index"], r["repeat"], configs.index(_config_of(r))))
+    return BenchResult(records, summarize(records), configs)
+
+
+@dataclass
+class _ConfigRunner:
+    """Runs one configuration on one prompt: on its level's pair (with the draft of its vocabulary, where
+    one was loaded for it), or on the llama.cpp runner its method names."""
+
+    pairs: Mapping[str, tuple[PreTrainedModel, PreTrainedModel | None]]
+    drafts: Mapping[int, PreTrainedModel]
+    external: Mapping[str, Any]  # the llama.cpp peers' runners, by method
+    eos: list[int]
+    sampling: dict
+    # As in a server: the auto budgets of each configuration keep learning from one prompt to the next.
+    learnt: LearntPolicies = field(default_factory=LearntPolicies)
+
+    def __call__(self, config: BenchConfig, prompt: Prompt, tokens: int, seed: int) -> dict:
+        if config.method == PLAIN:
+            return self.external[PLAIN].run(prompt.input_ids, tokens, seed, self.eos, **self.sampling)
+        if config.method == SPECULATIVE:
+            return self.external[SPECULATIVE].run(
+                prompt.input_ids, tokens, seed, self.eos, draft_length=config.budget, **self.sampling
+            )
+        target, draft = self.pairs[config.quant]
+        draft = self.drafts.get(config.draft_vocab, draft)
+        if config.method in HF_METHODS:
+            return run_hf(
+                target, draft, config.method, prompt.input_ids, tokens, seed, self.eos, **self.sampling
+            )
+        return _run_engine(
+            target, draft, config, prompt.input_ids, tokens, seed, self.eos, self.learnt, **self.sampling
+        )
+
+
+def _timed_runs(
+    run: _ConfigRunner,
+    prompts: list[Prompt],
+    configs: list[BenchConfig],
+    max_new_tokens: int,
+    seed: int,
+    repeats: int,
+    progress: bool,
+    records_path: str | os.PathLike | None,
+) -> list[dict]:
+    """One record per (repeat, prompt, configuration), in the interleaved order `run_benchmark` describes;
+    each also appended to `records_path` as soon as it is measured."""
+    from tqdm.auto import tqdm
 
     records = []
     total = repeats * len(prompts) * len(configs)
@@ -356,7 +381,7 @@ def run_benchmark(
                 records.append(
                     {
                         **config.as_dict(),
-                        **sampling,
+                        **run.sampling,
                         "max_new_tokens": max_new_tokens,
                         "prompt_index": index,
                         "prompt_id": prompt.id,
@@ -370,8 +395,7 @@ def run_benchmark(
                     sink.write(json.dumps(records[-1]) + "\n")
                     sink.flush()
                 bar.update()
-    records.sort(key=lambda r: (r["prompt_index"], r["repeat"], configs.index(_config_of(r))))
-    return BenchResult(records, summarize(records), configs)
+    return records
 
 
 def _config_of(record: dict) -> BenchConfig:
@@ -493,161 +517,3 @@ def _run_engine(
         "prefill_timing": "engine",
         "hf_settings": None,
     }
-
-
-class _ForwardMeter:
-    """Counts and times a model's forwards (hooks on the top module), and records their input lengths."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self.calls = 0
-        self.seconds = 0.0
-        self.first_seconds = 0.0  # the first forward alone
-        self.input_lengths: list[int] = []
-        self._start = 0.0
-        self._handles = []
-
-    def __enter__(self) -> _ForwardMeter:
-        self._handles = [
-            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
-            self.model.register_forward_hook(self._after),
-        ]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _before(self, module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self.input_lengths.append(int(ids.shape[-1]) if ids is not None else 0)
-        self._start = clock(self.model.device)
-
-    def _after(self, module, args, output) -> None:
-        elapsed = clock(self.model.device) - self._start
-        if self.calls == 0:
-            self.first_seconds = elapsed
-        self.seconds += elapsed
-        self.calls += 1
-
-
-@contextmanager
-def _plain_generation_configs(*models: PreTrainedModel | None) -> Iterator[None]:
-    """Give each model a GenerationConfig holding only its special-token ids, for the duration.
-
-    `generate` fills every option the caller leaves unset from `model.generation_config`, so a checkpoint's
-    sampling defaults (repetition_penalty, top_k, ...) would leak into the Hugging Face runs; and
-    assisted generation reads its knobs from the assistant's config, which must stay at the library
-    defaults (num_assistant_tokens=20, "constant" schedule, assistant_confidence_threshold=0.4).
-    """
-    saved = []
-    for model in models:
-        if model is None:
-            continue
-        old = model.generation_config
-        ids = {k: getattr(old, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        saved.append((model, old))
-        model.generation_config = GenerationConfig(**ids)
-    try:
-        yield
-    finally:
-        for model, old in saved:
-            model.generation_config = old
-
-
-def hf_assisted_settings() -> dict:
-    """The dynamic-speculation settings hf-assisted runs with (library defaults), for the report."""
-    import importlib.util
-
-    defaults = GenerationConfig._get_default_generation_params()
-    return {
-        "num_assistant_tokens": defaults["num_assistant_tokens"],
-        "num_assistant_tokens_schedule": defaults["num_assistant_tokens_schedule"],
-        "assistant_confidence_threshold": defaults["assistant_confidence_threshold"],
-        # The ROC adaptation of the threshold runs only when scikit-learn is importable.
-        "threshold_adaptation": importlib.util.find_spec("sklearn") is not None,
-    }
-
-
-@torch.inference_mode()
-def _run_hf(
-    target: PreTrainedModel,
-    draft: PreTrainedModel | None,
-    config: BenchConfig,
-    input_ids: list[int],
-    max_new_tokens: int,
-    seed: int,
-    eos: list[int],
-    *,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-) -> dict:
-    assisted = config.method == "hf-assisted"
-    ids = torch.tensor([input_ids], dtype=torch.long, device=target.device)
-    options: dict = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
-    if temperature > 0:
-        options.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    if eos:
-        options["eos_token_id"] = eos
-        options["pad_token_id"] = target.generation_config.pad_token_id
-        if options["pad_token_id"] is None:
-            options["pad_token_id"] = eos[0]
-    if not assisted:
-        options["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-    generation_config = GenerationConfig(**options)
-
-    with _plain_generation_configs(target, draft if assisted else None):
-        # Prefill estimate: the same prompt forwarded alone, by the target (and the draft).
-        target_estimate = _prompt_forward_seconds(target, ids)
-        torch.manual_seed(seed)
-        with ExitStack() as meters:
-            target_meter = meters.enter_context(_ForwardMeter(target))
-            draft_meter = meters.enter_context(_ForwardMeter(draft)) if assisted else None
-            start = clock(target.device)
-            out = target.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                generation_config=generation_config,
-                assistant_model=draft if assisted else None,
-            )
-            wall = clock(target.device) - start
-
-    tokens = out[0, ids.shape[1] :].tolist()
-    # Capped at the first target forward, which includes the prompt: decode time and the forward-time
-    # split then stay consistent (target + draft <= decode) whatever the noise of the estimate.
-    target_prefill = min(target_estimate, target_meter.first_seconds)
-    draft_prefill = draft_meter.first_seconds if draft_meter else 0.0
-    prefill = target_prefill + draft_prefill
-    # Draft tokens verified by each target forward: the first forward also carries the prompt.
-    lengths = target_meter.input_lengths
-    tree_sizes = [max(0, n - 1) for n in lengths]
-    if tree_sizes:
-        tree_sizes[0] = max(0, lengths[0] - len(input_ids))
-    return {
-        "prompt_tokens": len(input_ids),
-        "new_tokens": len(tokens),
-        "tokens": tokens,
-        "finish_reason": "stop" if tokens and tokens[-1] in eos else "length",
-        "target_calls": target_meter.calls,
-        "draft_calls": draft_meter.calls if draft_meter else 0,
-        "prefill_seconds": prefill,
-        "decode_seconds": max(0.0, wall - prefill),
-        "wall_seconds": wall,
-        "draft_seconds": draft_meter.seconds - draft_prefill if draft_meter else 0.0,
-        "target_seconds": target_meter.seconds - target_prefill,
-        "tree_sizes": tree_sizes,
-        "tree_depths": list(tree_sizes),  # HF drafts are chains
-        "accepted": None,
-        "prefill_timing": "separate-forward",
-        "hf_settings": hf_assisted_settings()
-        if assisted
-        else {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "max_matching_ngram_size": 2},
-    }
-
-
-def _prompt_forward_seconds(model: PreTrainedModel, ids: torch.Tensor) -> float:
-    start = clock(model.device)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    return clock(model.device) - start

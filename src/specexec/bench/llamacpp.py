@@ -19,18 +19,20 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from specexec.backends.llamacpp.library import INSTALL_HINT
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
 
 CPU = torch.device("cpu")
-INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
+PLAIN = "llamacpp"  # the bench method: the target's GGUF decoded by llama.cpp alone
+SPECULATIVE = "llamacpp-spec"  # the bench method: llama.cpp's own speculative decoding (budget: draft length)
 
 
 class LlamaCpp:
     """One loaded GGUF model, decoding with `threads` threads (default: torch's thread count)."""
 
     def __init__(self, gguf: str | os.PathLike, context: int, threads: int | None = None) -> None:
-        from specexec.bench.core import BenchError
+        from specexec.bench.errors import BenchError
 
         try:
             import llama_cpp
@@ -96,7 +98,7 @@ class LlamaCppSpeculative:
     def __init__(
         self, target: str | os.PathLike, draft: str | os.PathLike, context: int, threads: int | None = None
     ) -> None:
-        from specexec.bench.core import BenchError
+        from specexec.bench.errors import BenchError
 
         try:
             import llama_cpp

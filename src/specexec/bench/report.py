@@ -32,8 +32,12 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from specexec.bench.core import BUDGET_METHODS, BenchResult
+from specexec.bench.methods import BUDGET_METHODS
+
+if TYPE_CHECKING:
+    from specexec.bench.core import BenchResult
 
 _SUMS = (
     "prompt_tokens",

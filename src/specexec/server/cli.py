@@ -14,6 +14,9 @@ import socket
 import sys
 from pathlib import Path
 
+from specexec.cli_args import EXIT_FAILURE, non_negative_int, pair_spec, positive_int
+from specexec.loading import load_pair
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16
@@ -29,20 +32,6 @@ def _port(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own options (the model and method options come from the CLI's shared helpers)."""
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
@@ -55,25 +44,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-queue",
-        type=_non_negative,
+        type=non_negative_int,
         default=DEFAULT_MAX_QUEUE,
         help=f"requests that may wait while one generates; more get 429 (default {DEFAULT_MAX_QUEUE})",
     )
     parser.add_argument(
         "--max-model-len",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="most tokens of prompt plus completion per request (default: the model's context window)",
     )
     parser.add_argument(
         "--default-max-tokens",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_MAX_TOKENS,
         help=f"completion tokens of a chat request that sets no max_tokens (default {DEFAULT_MAX_TOKENS})",
     )
     parser.add_argument(
         "--prefix-cache-mb",
-        type=_non_negative,
+        type=non_negative_int,
         default=DEFAULT_PREFIX_CACHE_MB,
         help="MiB of the last requests' KV caches kept for requests that start with the same tokens, such "
         f"as the next turn of a chat (default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)",
@@ -91,8 +80,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Load the pair named by `args`, bind, and serve until interrupted. Returns the exit status.
 
-    `args` carries the CLI's model arguments (`specexec.cli.add_model_args`: --target, --draft, --dtype,
-    offloading), --method, --budget (optionally --lookahead-schedule) and those of `add_serve_arguments`.
+    `args` carries the CLI's model arguments (`specexec.cli_args.add_model_args`: --target, --draft,
+    --dtype, offloading), --method, --budget (optionally --lookahead-schedule) and those of
+    `add_serve_arguments`.
     """
     try:
         import uvicorn
@@ -100,8 +90,7 @@ def serve(args: argparse.Namespace) -> int:
         from specexec.server.app import LOOPBACK_HOSTS, create_app
     except ImportError as err:
         print(f"specexec: error: the server needs {err.name}: {_INSTALL_HINT}", file=sys.stderr)
-        return 1
-    from specexec.cli import backend_label, load_pair
+        return EXIT_FAILURE
     from specexec.models import eos_token_ids
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -110,7 +99,7 @@ def serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     if args.api_key is None and not _is_loopback(args.host):
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    tokenizer, target, draft = load_pair(args, need_draft=args.method != "ar")
+    pair = load_pair(pair_spec(args, with_draft=args.method != "ar"))
     options = {}
     if getattr(args, "lookahead_schedule", None) is not None:
         options["lookahead_schedule"] = args.lookahead_schedule
@@ -118,15 +107,15 @@ def serve(args: argparse.Namespace) -> int:
         options["ngram"] = args.ngram
     try:
         app = create_app(
-            target,
-            draft,
-            tokenizer,
+            pair.target,
+            pair.draft,
+            pair.tokenizer,
             method=args.method,
             budget=getattr(args, "budget", None),
             api_key=args.api_key or None,
             max_queue=args.max_queue,
             model_name=args.model_name or _model_id(args.target),
-            eos_token_id=eos_token_ids(target, tokenizer),
+            eos_token_id=eos_token_ids(pair.target, pair.tokenizer),
             engine_options=options,
             max_model_len=args.max_model_len,
             default_max_tokens=args.default_max_tokens,
@@ -136,13 +125,13 @@ def serve(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         print(f"specexec: error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     host, port = sock.getsockname()[:2]
     log.info(
         "serving %s (%s, %s) on http://%s:%d/v1",
         app.state.model_name,
         args.method,
-        backend_label(args),
+        pair.backend_label,
         host,
         port,
     )

@@ -22,11 +22,14 @@ def unavailable() -> str | None:
     return None
 
 
+OPTIONS = ("threads", "vocab")  # the load options it takes: it runs the GGUF's own weights
+
+
 def refusal(given: list[tuple[str, str]]) -> str | None:
-    """llama.cpp runs the GGUF's own weights: every option but the thread count and the draft's
-    vocabulary is the torch backend's. `given` holds (option key, the option in the user's words)."""
+    """Every option but OPTIONS is the torch backend's. `given` holds (option key, the option in the
+    user's words)."""
     for key, words in given:
-        if key not in ("threads", "vocab"):
+        if key not in OPTIONS:
             return f"{words} is for the torch backend; llama.cpp runs the GGUF's own weights"
     return None
 

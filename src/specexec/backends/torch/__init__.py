@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 LABEL = "torch"
 WEIGHTS = "folder"
+OPTIONS = ("dtype", "offload", "quant", "threads", "vocab")  # the load options it takes
 
 
 def unavailable() -> str | None:

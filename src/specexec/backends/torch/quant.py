@@ -320,8 +320,14 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
         raise QuantError(f"--quant {mode} runs on the CPU kernels; the model is on {model.device}")
     if quant_label(model) != "none":
         raise QuantError(f"the model is already quantized ({quant_label(model)})")
+    from specexec.backends.torch.offload import OffloadError, decoder_layers  # offload -> runner -> native imports this
+
+    try:
+        layers = decoder_layers(model)
+    except OffloadError:
+        raise QuantError(f"cannot find the decoder layers of {type(model).__name__}") from None
     with torch.no_grad():
-        for layer in _decoder_layers(model):
+        for layer in layers:
             for child in list(layer.modules()):
                 for attr, sub in list(child.named_children()):
                     if isinstance(sub, nn.Linear):
@@ -353,11 +359,3 @@ def quant_label(model: nn.Module) -> str:
         return "none"  # a llama.cpp model: the GGUF's own weights
     modes = {m.mode for m in model.modules() if isinstance(m, QuantLinear)}
     return next((mode for mode in ("w4a8", "int4", "int8") if mode in modes), "none")
-
-
-def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise QuantError(f"cannot find the decoder layers of {type(model).__name__}")
-    return layers
