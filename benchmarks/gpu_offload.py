@@ -43,13 +43,9 @@ from accelerate import init_empty_weights
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import specexec
-from specexec.backends.torch.offload import (
-    OffloadError,
-    host_buffer,
-    offload_model,
-    to_device,
-    weight_bytes,
-)
+from specexec.backends.torch.devices import host_buffer, to_device
+from specexec.backends.torch.layers import OffloadError, weight_bytes
+from specexec.backends.torch.offload import offload_model
 from specexec.backends.torch.runner import ModelRunner
 from specexec.timing import clock
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from specexec import budget, calibration, engine
+from specexec.learnt import LearntPolicies
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts
 
@@ -54,7 +55,7 @@ def main() -> None:
     budget.SpeculationGate.record = recording
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)
     for method in args.methods.split(","):
-        learnt = budget.LearntPolicies()  # shared by the method's generations, as in the bench
+        learnt = LearntPolicies()  # shared by the method's generations, as in the bench
         tokens = calls = steps = 0
         seconds = 0.0
         for prompt in prompts:

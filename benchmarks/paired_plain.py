@@ -19,7 +19,7 @@ import statistics
 import specexec
 from specexec.bench.llamacpp import LlamaCpp
 from specexec.bench.report import describe_cpu
-from specexec.budget import LearntPolicies
+from specexec.learnt import LearntPolicies
 from specexec.models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,

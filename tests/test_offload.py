@@ -21,18 +21,11 @@ from accelerate import init_empty_weights
 from tiny_models import tiny_model
 
 import specexec
-from specexec.backends.torch.offload import (
-    OffloadedLayer,
-    OffloadError,
-    choose_placement,
-    decoder_layers,
-    offload_model,
-    parse_size,
-    plan_resident,
-    simulate_offload,
-    to_device,
-    weight_bytes,
-)
+from specexec.backends.torch.devices import to_device
+from specexec.backends.torch.layers import OffloadError, decoder_layers, weight_bytes
+from specexec.backends.torch.offload import OffloadedLayer, choose_placement, offload_model, plan_resident
+from specexec.backends.torch.simulated import simulate_offload
+from specexec.sizes import SizeError, parse_size
 
 PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
 NEW = 24
@@ -265,7 +258,7 @@ def test_parse_size() -> None:
     assert parse_size("512M") == 512 * 2**20
     assert parse_size("4096") == 4096
     for bad in ("", "GiB", "-1GiB", "0", "12 parsecs"):
-        with pytest.raises(OffloadError) as err:
+        with pytest.raises(SizeError) as err:
             parse_size(bad)
         one_line(err)
 
@@ -338,7 +331,7 @@ def test_encoded_layers_match_the_decoded_model(codec_name: str) -> None:
     if codec_name == "nf4":
         if importlib.util.find_spec("bitsandbytes") is None:
             pytest.skip("bitsandbytes is not installed")
-        from specexec.backends.torch.offload import NF4Codec
+        from specexec.backends.torch.codec import NF4Codec
 
         codec = NF4Codec()
     else:

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from specexec.budget import LearntPolicies
+from specexec.learnt import LearntPolicies
 from specexec.methods import METHODS
 from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams

@@ -12,11 +12,12 @@ import torch
 from tqdm.auto import tqdm
 
 from specexec.backends import as_model, make_runner
-from specexec.budget import CostModel, LearntPolicies
+from specexec.budget import CostModel
+from specexec.learnt import LearntPolicies
 from specexec.paths import cache_root
 from specexec.timing import clock
 
-# Small sizes are dense: low-bit kernels (`specexec.backends.torch.quant`) make the cost jump after a few rows.
+# Small sizes are dense: low-bit kernels (torch's `--quant`) make the cost jump after a few rows.
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 # A forward that costs more than this many one-token target passes cannot be repaid (no step is expected
@@ -88,12 +89,7 @@ def calibrate(
                     sizes[name].append(n)
                     if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
                         break
-        runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
-        first = {n: (repeats - runs[n]) // 2 for n in runs}  # sizes timed fewer times take the middle rounds
-        jobs = [(name, n) for name in models for n in sizes[name]]
-        rounds = [
-            [(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)
-        ]
+        rounds = _rounds(sizes, repeats)
         ones: dict[str, list[float]] = {name: [] for name in models}
         ratios: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
         with tqdm(
@@ -110,6 +106,15 @@ def calibrate(
         for name in models
     )
     return CostModel(target_curve, draft_curve, label)
+
+
+def _rounds(sizes: dict[str, list[int]], repeats: int) -> list[list[tuple[str, int]]]:
+    """The (model, size) samples of each round: every size once per round, `repeats` rounds (2 from 256
+    tokens up, where a run is long and steady: those take the middle rounds)."""
+    runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
+    first = {n: (repeats - runs[n]) // 2 for n in runs}
+    jobs = [(name, n) for name in sizes for n in sizes[name]]
+    return [[(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)]
 
 
 def cached_cost_model(target, draft, recalibrate: bool = False) -> CostModel:

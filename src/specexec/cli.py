@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # stderr carries our one-line messages and stats only
     if args.simulate_offload_gbps is not None and (args.offload or args.gpu_memory or args.quant_offload):
         parser.error("--simulate-offload-gbps stands in for a GPU: it cannot be combined with --offload")
-    from specexec.backends.torch.offload import OffloadError
-    from specexec.backends.torch.quant import QuantError
+    from specexec.backends.base import BackendError
     from specexec.draft_vocab import DraftVocabError
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             from specexec.bench.cli import run_bench
 
             return run_bench(args)
-    except (GenerationError, ModelSourceError, OffloadError, QuantError, DraftVocabError, OSError) as e:
+    except (GenerationError, ModelSourceError, BackendError, DraftVocabError, OSError) as e:
         print(f"specexec: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

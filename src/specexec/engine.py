@@ -10,16 +10,11 @@ import torch
 
 from specexec.backends import as_model, make_runner
 from specexec.backends.base import Model, Runner, prefill
-from specexec.budget import (
-    AutoBudget,
-    ChainCostStop,
-    ConfidenceStop,
-    CostModel,
-    LearntPolicies,
-)
+from specexec.budget import AutoBudget, ChainCostStop, ConfidenceStop, CostModel
 from specexec.calibration import cached_cost_model
 from specexec.drafters import Drafter, DraftRequest
 from specexec.drafters.base import tree_forward
+from specexec.learnt import LearntPolicies
 from specexec.methods import DSL_MAX_LENGTH, DraftOptions, Method, UnknownMethod, method
 from specexec.models import eos_token_ids
 from specexec.prefix_cache import PrefixCache
@@ -170,7 +165,7 @@ def stream(
 
     An auto budget sizes its drafts from `cost_model` (by default this pair's calibration, measured on
     first use and cached); with `learnt`, what its policies learn carries over to the next generation
-    given the same object (`budget.LearntPolicies`). `stop_strings` need `tokenizer`. With
+    given the same object (`learnt.LearntPolicies`). `stop_strings` need `tokenizer`. With
     `prefix_cache`, the KV of the longest cached prefix of the prompt is reused and this generation's is
     kept there when it ends. When `cancelled()` turns true between two prefill chunks, the generation
     ends without yielding.

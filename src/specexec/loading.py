@@ -8,7 +8,6 @@ Importing this module loads neither torch nor transformers.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +70,7 @@ def load_pair(spec: PairSpec) -> LoadedPair:
     torch target is offloaded, or its offloading simulated, if asked (a line on stderr says so)."""
     import torch
 
+    from specexec.backends import as_model
     from specexec.models import load_model, load_tokenizer
 
     if spec.threads:
@@ -80,14 +80,11 @@ def load_pair(spec: PairSpec) -> LoadedPair:
     draft = load_draft(spec, tokenizer) if spec.draft is not None else None
     target = load_model(
         spec.target, _dtype(spec.dtype, backend), offload=_offload_options(spec), quant=spec.quant,
-        backend=backend, threads=spec.threads,
+        backend=backend, threads=spec.threads, simulate_offload_gbps=spec.simulate_offload_gbps,
     )  # fmt: skip
     pair = LoadedPair(tokenizer, target, backend)
     if spec.simulate_offload_gbps is not None:
-        from specexec.backends.torch.offload import simulate_offload
-
-        pair.simulated = simulate_offload(target, spec.simulate_offload_gbps).label
-        print(f"[{pair.simulated}; every timing below is SIMULATED]", file=sys.stderr)
+        pair.simulated = as_model(target).cost_label
     if draft is not None:
         if target.device.type == "cuda":
             draft.model = draft.model.to(target.device)  # the draft stays resident on the GPU

@@ -98,6 +98,7 @@ def load_model(
     vocab: int = 0,
     backend: str = "torch",
     threads: int | None = None,
+    simulate_offload_gbps: float | None = None,
 ):
     """Load a causal LM in eval mode on the CPU, on the backend `backend` names (see `specexec.backends`).
 
@@ -110,8 +111,9 @@ def load_model(
     bf16 cache folder; ``dtype`` is only the in-memory dtype (default bfloat16). ``offload`` (keyword
     arguments of `specexec.backends.torch.offload.offload_model`) streams the decoder layers from host
     memory to the GPU. ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form
-    for the CPU kernels. ``vocab`` > 0 makes a draft score only its first ``vocab`` token ids, plus its
-    special tokens (`specexec.draft_vocab`).
+    for the CPU kernels; ``simulate_offload_gbps`` charges every forward the time to stream its weights at
+    that speed (a stand-in for a GPU: every timing is then simulated). ``vocab`` > 0 makes a draft score
+    only its first ``vocab`` token ids, plus its special tokens (`specexec.draft_vocab`).
     """
     given = [
         (key, words)
@@ -119,6 +121,7 @@ def load_model(
             ("dtype", f"dtype {dtype}", dtype is not None),
             ("offload", "offloading", offload is not None),
             ("quant", f"--quant {quant}", quant != "none"),
+            ("offload", "simulated offloading", simulate_offload_gbps is not None),
         )
         if present
     ]
@@ -129,7 +132,7 @@ def load_model(
         always = tuple(tokenizer.all_special_ids)
         if runtime.WEIGHTS == "gguf":
             check_draft_vocab(vocab, len(tokenizer))
-    options = LoadOptions(dtype, offload, quant, vocab, always, threads)
+    options = LoadOptions(dtype, offload, quant, vocab, always, threads, simulate_offload_gbps)
     if runtime.WEIGHTS == "gguf":
         try:
             return runtime.load(gguf_file(source), options)

@@ -18,14 +18,14 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from specexec.backends.base import Model, Runner
+from specexec.backends.base import BackendError, Model, Runner
 
 # The runtimes that load model sources, in the order "auto" prefers them: llama.cpp's kernels are faster
 # than PyTorch's bf16/fp32 on every CPU measured (docs/benchmarks.md), and it runs the GGUF's own weights.
 BACKENDS = ("llamacpp", "torch")
 
 
-class BackendChoiceError(ValueError):
+class BackendChoiceError(BackendError):
     """A backend that cannot run the given source or options; the message says why."""
 
 

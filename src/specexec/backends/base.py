@@ -162,6 +162,11 @@ def prefill(runner: Runner, tokens: torch.Tensor, cancelled: Callable[[], bool] 
     return True
 
 
+class BackendError(ValueError):
+    """A runtime cannot do what was asked (an option it lacks, a model it cannot run, missing hardware);
+    the message says why in one line."""
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """How to load a model; each backend refuses the options it has not (`refusal`)."""
@@ -172,3 +177,4 @@ class LoadOptions:
     vocab: int = 0  # > 0: a draft that scores only its first `vocab` token ids (`specexec.draft_vocab`)
     always: tuple[int, ...] = ()  # ids a reduced head keeps whatever `vocab` (the special tokens)
     threads: int | None = None  # compute threads (llama.cpp; torch uses torch's setting)
+    simulate_offload_gbps: float | None = None  # charge every forward the time to stream its weights (torch)

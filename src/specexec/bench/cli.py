@@ -172,14 +172,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """Run `specexec bench` from parsed arguments; errors print one line and return 1."""
-    from specexec.backends.torch.quant import QuantError
+    from specexec.backends.base import BackendError
     from specexec.bench.errors import BenchError
     from specexec.draft_vocab import DraftVocabError
     from specexec.engine import GenerationError
     from specexec.models import ModelSourceError
     from specexec.prompts import PromptSetError
 
-    errors = (BenchError, PromptSetError, GenerationError, ModelSourceError, QuantError, DraftVocabError)
+    errors = (BenchError, PromptSetError, GenerationError, ModelSourceError, BackendError, DraftVocabError)
     try:
         return _run(args, command or shlex.join(sys.argv))
     except (*errors, OSError) as e:

@@ -51,8 +51,8 @@ from specexec.bench.methods import (
     EXTERNAL_METHODS,
     HF_METHODS,
 )
-from specexec.budget import LearntPolicies
 from specexec.engine import generate
+from specexec.learnt import LearntPolicies
 from specexec.models import eos_token_ids
 from specexec.prompts import Prompt
 from specexec.sampling import SamplingParams

@@ -7,12 +7,14 @@ import sys
 
 import torch
 
+from specexec.backends.base import BackendError
+
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the committed one, the rest leaves
 CPU = torch.device("cpu")
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
 
 
-class LlamaCppError(RuntimeError):
+class LlamaCppError(BackendError, RuntimeError):
     """The llama.cpp backend cannot run this request; the message says why."""
 
 

@@ -19,7 +19,8 @@ def load_folder(folder: Path, options: LoadOptions) -> PreTrainedModel:
     """The causal LM in `folder` (safetensors, checked by the caller) in eval mode on the CPU: in
     `options.dtype` (default bfloat16), its decoder layers streamed to the GPU with `options.offload`
     (`offload.offload_model` arguments), scoring only `options.vocab` ids if > 0, and its linear layers
-    in low-bit form with `options.quant` ("int8", "int4", "w4a8")."""
+    in low-bit form with `options.quant` ("int8", "int4", "w4a8"), and every forward charged the time to
+    stream its weights at `options.simulate_offload_gbps` GB/s if given (a stand-in for a GPU)."""
     if options.quant != "none" and options.offload is not None:
         raise QuantError("--quant is for CPU inference; offloading streams NF4 with --quant-offload nf4")
     if options.vocab:  # refused before the weights load
@@ -39,4 +40,10 @@ def load_folder(folder: Path, options: LoadOptions) -> PreTrainedModel:
         print(f"[{offloader.describe()}]", file=sys.stderr)
     if options.vocab:
         restrict_draft_vocab(model, options.vocab, always=options.always)
-    return quantize_model(model, options.quant)
+    model = quantize_model(model, options.quant)
+    if options.simulate_offload_gbps is not None:
+        from specexec.backends.torch.simulated import simulate_offload
+
+        label = simulate_offload(model, options.simulate_offload_gbps).label
+        print(f"[{label}; every timing below is SIMULATED]", file=sys.stderr)
+    return model

@@ -26,123 +26,39 @@ decoded on the device into one shared full-precision scratch layer just before t
 When several GPUs together can hold the target, streaming is the wrong tool: load it with accelerate's
 ``device_map="auto"`` instead (`choose_placement` says which case applies).
 
-Simulation (`simulate_offload`). On a machine without a GPU, a forward hook on the top-level model makes
-each forward last at least (streamed weight bytes) / (GB/s), so the engine's and benchmarks' wall-clock
-timings show what streaming at that bandwidth would cost. Such timings are simulated and must be
-labelled so.
+Simulation, for machines without a GPU, lives in `simulated` (`simulate_offload`); `offload_label` here
+describes both. The codecs are in `codec`, a model's anatomy (`decoder_layers`, `weight_bytes`) in `layers`,
+moving tensors and allocating buffers in `devices`.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from specexec.timing import clock
+from specexec.backends.torch.codec import WeightCodec, make_codec
+from specexec.backends.torch.devices import (
+    MetaInit,
+    device_buffer,
+    host_buffer,
+    materialise,
+    move_tensors,
+    require_init,
+)
+from specexec.backends.torch.layers import (
+    OffloadError,
+    decoder_layers,
+    itemsize,
+    module_bytes,
+    unique_tensors,
+)
+from specexec.sizes import SizeError, format_bytes, parse_size
 
-QUANT_CHOICES = ("nf4",)
 ALIGN = 256  # bytes: every tensor in a packed buffer starts at a multiple (vectorised kernels need 16)
-
-# Called to fill a tensor that is still on the meta device (a model built without weights):
-# meta_init(qualified_name, out) writes the values into `out`, a host view or a device tensor.
-MetaInit = Callable[[str, torch.Tensor], None]
-
-
-class OffloadError(ValueError):
-    """Offloading cannot run as asked; the one-line message says why and what to do instead."""
-
-
-class WeightCodec(Protocol):
-    """How a streamed weight is stored in host memory and turned back into a dense tensor on the device."""
-
-    name: str
-
-    def encodes(self, name: str, tensor: torch.Tensor) -> bool:
-        """Whether this parameter (name inside its layer) is encoded; others travel as they are."""
-        ...
-
-    def part_specs(self, shape: torch.Size, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shapes and dtypes of the parts `encode` returns for a tensor of this shape and dtype."""
-        ...
-
-    def encode(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The stored parts of `tensor` (on any device)."""
-        ...
-
-    def decode(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        """Write the dense tensor into `out` from its `parts`, both on the same device."""
-        ...
-
-
-class NF4Codec:
-    """bitsandbytes NF4: 4-bit codes in blocks of `blocksize` weights, one float32 absmax per block.
-
-    4.5 bits a weight at blocksize 64 (3.6x fewer bytes than bfloat16). Only 2-D weights are encoded;
-    norms and biases stay as they are. Decoding on CUDA is one bitsandbytes kernel per matrix, writing
-    straight into the scratch layer; on the CPU it goes through a temporary.
-    """
-
-    name = "nf4"
-
-    def __init__(self, blocksize: int = 64) -> None:
-        try:
-            import bitsandbytes.functional as bnb_functional
-        except ImportError:
-            raise OffloadError(
-                "4-bit offloading (nf4) needs bitsandbytes; install it with: pip install bitsandbytes"
-            ) from None
-        self._f = bnb_functional
-        self.blocksize = blocksize
-        self._codes: dict[torch.device, torch.Tensor] = {}
-
-    def encodes(self, name: str, tensor: torch.Tensor) -> bool:
-        return (
-            name.endswith("weight")
-            and tensor.dim() == 2
-            and tensor.is_floating_point()
-            and tensor.numel() % self.blocksize == 0
-        )
-
-    def part_specs(self, shape: torch.Size, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        numel = math.prod(shape)
-        return [((numel // 2, 1), torch.uint8), ((numel // self.blocksize,), torch.float32)]
-
-    def encode(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        packed, state = self._f.quantize_4bit(tensor.contiguous(), blocksize=self.blocksize, quant_type="nf4")
-        return [packed, state.absmax.float()]
-
-    def decode(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        packed, absmax = parts
-        if out.device not in self._codes:
-            self._codes[out.device] = self._f.get_4bit_type("nf4", device=out.device)
-        state = self._f.QuantState(
-            absmax=absmax,
-            shape=out.shape,
-            code=self._codes[out.device],
-            blocksize=self.blocksize,
-            quant_type="nf4",
-            dtype=out.dtype,
-        )
-        if out.is_cuda:
-            self._f.dequantize_4bit(packed, state, out=out)
-        else:  # bitsandbytes has no CPU kernel for the out= form
-            out.copy_(self._f.dequantize_4bit(packed, state))
-
-
-def make_codec(name: str | None) -> WeightCodec | None:
-    """The codec for a `--quant-offload` choice (None: full precision)."""
-    if name is None:
-        return None
-    if name == "nf4":
-        return NF4Codec()
-    raise OffloadError(f"unknown offload quantization {name!r}; choose one of {', '.join(QUANT_CHOICES)}")
 
 
 @dataclass
@@ -169,7 +85,7 @@ class _Slice:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
@@ -218,7 +134,7 @@ class _PackedLayer:
         self.module = module
         self.entries: list[_Entry] = []
         layout, dense = _Layout(), _Layout()
-        for name, tensor, owners, is_param in _unique_tensors(module):
+        for name, tensor, owners, is_param in unique_tensors(module):
             if codec is not None and is_param and codec.encodes(name, tensor):
                 specs = codec.part_specs(tensor.shape, tensor.dtype)
                 stored = [layout.add(shape, dtype) for shape, dtype in specs]
@@ -243,7 +159,7 @@ class _PackedLayer:
             if entry.encoded:
                 assert codec is not None
                 # Encode where it is fast (the GPU), then keep only the parts, in host memory.
-                parts = codec.encode(_materialise(entry.name, entry.tensor, device, meta_init))
+                parts = codec.encode(materialise(entry.name, entry.tensor, device, meta_init))
                 for piece, part in zip(entry.stored, parts, strict=True):
                     if tuple(part.shape) != piece.shape or part.dtype != piece.dtype:
                         raise OffloadError(f"codec {codec.name} returned an unexpected part for {entry.name}")
@@ -252,7 +168,7 @@ class _PackedLayer:
             else:
                 host = entry.stored[0].view(self.host)
                 if entry.tensor.is_meta:
-                    _require_init(entry.name, meta_init)(entry.name, host)
+                    require_init(entry.name, meta_init)(entry.name, host)
                 else:
                     host.copy_(entry.tensor)
             entry.tensor = host  # drop the original storage
@@ -355,8 +271,8 @@ class Offloader:
         self.slot_bytes = max((p.nbytes for p in packed), default=0)
         self.scratch_bytes = max((p.dense_nbytes for p in packed), default=0)
         # Shape: ring_size x (slot_bytes,) uint8 on the device, plus one dense scratch layer if encoded.
-        self._slots = [_device_buffer(self.slot_bytes, device) for _ in range(self.ring_size)]
-        self._scratch = _device_buffer(self.scratch_bytes, device) if self.scratch_bytes else None
+        self._slots = [device_buffer(self.slot_bytes, device) for _ in range(self.ring_size)]
+        self._scratch = device_buffer(self.scratch_bytes, device) if self.scratch_bytes else None
         self._content: list[int | None] = [None] * self.ring_size  # slot -> streamed position
         self._where: list[int | None] = [None] * len(packed)  # streamed position -> slot
         self._live = 0
@@ -494,11 +410,14 @@ def offload_model(
         raise OffloadError("this model is already offloaded; call remove() on its offloader first")
     layers = decoder_layers(model)
     layers_name = next(name for name, module in model.named_modules() if module is layers)
-    budget = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    try:
+        budget = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    except SizeError as err:  # the command line reports offloading's refusals
+        raise OffloadError(str(err)) from None
 
     plans = [_PackedLayer(i, layer, f"{layers_name}.{i}.", codec) for i, layer in enumerate(layers)]
-    fixed = _module_bytes(model, skip=layers_name)
-    dense = [_module_bytes(layer) for layer in layers]
+    fixed = module_bytes(model, skip=layers_name)
+    dense = [module_bytes(layer) for layer in layers]
     kept = plan_resident(
         dense,
         [p.nbytes for p in plans],
@@ -508,9 +427,9 @@ def offload_model(
         scratch_bytes=[p.dense_nbytes for p in plans],
     )
 
-    _move_tensors(model, device, meta_init, skip=layers_name)
+    move_tensors(model, device, meta_init, skip=layers_name)
     for index in range(kept):
-        _move_tensors(layers[index], device, meta_init, prefix=f"{layers_name}.{index}.")
+        move_tensors(layers[index], device, meta_init, prefix=f"{layers_name}.{index}.")
     packed = plans[kept:]
     pin = device.type == "cuda"
     for layer in packed:
@@ -580,74 +499,6 @@ def choose_placement(
     return "offload"
 
 
-# ---------------------------------------------------------------------------------------------------
-# Simulation for machines without a GPU.
-
-
-class SimulatedOffload:
-    """Makes each forward of a model take at least `bytes_per_pass / gbps` seconds; see `simulate_offload`."""
-
-    def __init__(self, model: nn.Module, gbps: float, bytes_per_pass: int) -> None:
-        self.model = model
-        self.gbps = gbps
-        self.bytes_per_pass = bytes_per_pass
-        self.seconds_per_pass = bytes_per_pass / (gbps * 1e9)
-        self.calls = 0
-        self.slept_seconds = 0.0  # added on top of the measured compute
-        self._starts: list[float] = []  # a stack, in case a forward re-enters the model
-        cuda = [p.device for p in model.parameters() if p.device.type == "cuda"]
-        self._device = cuda[0] if cuda else torch.device("cpu")
-        self._handles = [
-            model.register_forward_pre_hook(self._before),
-            model.register_forward_hook(self._after),
-        ]
-        model.__dict__["_specexec_simulated"] = self  # read by `offload_label`, not tracked by nn.Module
-
-    @property
-    def label(self) -> str:
-        return (
-            f"simulated offload: {format_bytes(self.bytes_per_pass)} streamed per target forward at "
-            f"{self.gbps:g} GB/s (>= {self.seconds_per_pass * 1e3:.1f} ms per forward)"
-        )
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.model.__dict__.pop("_specexec_simulated", None)
-
-    def __enter__(self) -> SimulatedOffload:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def _before(self, module, args) -> None:
-        self._starts.append(clock(self._device))
-
-    def _after(self, module, args, output) -> None:
-        start = self._starts.pop()
-        if self._starts:  # an inner call: the outermost one is charged
-            return
-        rest = self.seconds_per_pass - (clock(self._device) - start)
-        self.calls += 1
-        if rest > 0:
-            time.sleep(rest)
-            self.slept_seconds += rest
-
-
-def simulate_offload(model: nn.Module, gbps: float, bytes_per_pass: int | None = None) -> SimulatedOffload:
-    """Charge every forward of `model` max(measured compute, bytes_per_pass / gbps GB/s) of wall-clock time.
-
-    bytes_per_pass defaults to `weight_bytes(model)`. The handle's `remove()` (or leaving it as a
-    context manager) restores the model; its `label` says what is simulated. Timings taken with it on
-    are simulations, not measurements.
-    """
-    if not gbps > 0 or not math.isfinite(gbps):
-        raise OffloadError(f"simulated offload bandwidth must be a positive number of GB/s, got {gbps}")
-    return SimulatedOffload(model, gbps, weight_bytes(model) if bytes_per_pass is None else bytes_per_pass)
-
-
 def offload_label(model: nn.Module) -> str:
     """What offloading, real or simulated, changes this model's forward costs ("" for none)."""
     parts = [
@@ -660,60 +511,6 @@ def offload_label(model: nn.Module) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder layers (``model.model.layers`` in Hugging Face causal LMs)."""
-    owners = [getattr(model, "model", None), model]
-    get_decoder = getattr(model, "get_decoder", None)
-    if callable(get_decoder):
-        owners.insert(0, get_decoder())
-    for owner in owners:
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers):
-            return layers
-    raise OffloadError(f"{type(model).__name__} has no list of decoder layers (model.model.layers)")
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Decoder-layer bytes one forward streams from host memory: every layer of a plain model; the
-    streamed layers' packed buffers (4-bit when encoded) of an offloaded one."""
-    offloader = getattr(model, "_specexec_offloader", None)
-    if offloader is not None:
-        return offloader.streamed_bytes
-    return sum(_module_bytes(layer) for layer in decoder_layers(model))
-
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}  # fmt: skip
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from "20GiB", "20GB" (10^9), "512M" (bare letters are binary) or a plain number."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        unit = match.group(2).lower() if match else None
-        if unit not in _UNITS:
-            raise OffloadError(f"cannot read {text!r} as a memory size; write it like 20GiB, 20GB or 512MiB")
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise OffloadError(f"a memory size must be positive, got {text!r}")
-    return value
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return ""  # unreachable
 
 
 def _offload_device(device: str | torch.device | None) -> torch.device:
@@ -733,109 +530,6 @@ def _offload_device(device: str | torch.device | None) -> torch.device:
     elif device.type != "cpu":
         raise OffloadError(f"offloading supports CUDA and CPU devices, not {device.type}")
     return device
-
-
-def _unique_tensors(module: nn.Module):
-    """(name, tensor, owners, is_param) for each distinct parameter and buffer under `module`."""
-    found: dict[int, tuple[str, torch.Tensor, list, bool]] = {}
-    for prefix, sub in module.named_modules():
-        for store, is_param in ((sub._parameters, True), (sub._buffers, False)):
-            for attr, tensor in store.items():
-                if tensor is None:
-                    continue
-                name = f"{prefix}.{attr}" if prefix else attr
-                entry = found.setdefault(id(tensor), (name, tensor, [], is_param))
-                entry[2].append((sub, attr))
-    return list(found.values())
-
-
-def _module_bytes(module: nn.Module, skip: str | None = None) -> int:
-    """Bytes of the distinct tensors under `module`, leaving out the submodule named `skip`."""
-    total, seen = 0, set()
-    for prefix, sub in module.named_modules():
-        if skip is not None and (prefix == skip or prefix.startswith(skip + ".")):
-            continue
-        for tensor in [*sub._parameters.values(), *sub._buffers.values()]:
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                total += tensor.numel() * _itemsize(tensor.dtype)
-    return total
-
-
-def to_device(model: nn.Module, device: str | torch.device, meta_init: MetaInit | None = None) -> nn.Module:
-    """Move every parameter and buffer of `model` to `device` in place, keeping tied weights tied and
-    filling those still on the meta device with `meta_init`. Returns `model`."""
-    _move_tensors(model, torch.device(device), meta_init)
-    return model
-
-
-def _move_tensors(
-    root: nn.Module,
-    device: torch.device,
-    meta_init: MetaInit | None,
-    skip: str | None = None,
-    prefix: str = "",
-) -> None:
-    """Move every parameter and buffer under `root` (but not under `skip`) to `device`, keeping ties."""
-    moved: dict[int, torch.Tensor] = {}
-    for path, sub in root.named_modules():
-        if skip is not None and (path == skip or path.startswith(skip + ".")):
-            continue
-        for store, is_param in ((sub._parameters, True), (sub._buffers, False)):
-            for attr, tensor in list(store.items()):
-                if tensor is None or (tensor.device == device and not tensor.is_meta):
-                    continue
-                if id(tensor) not in moved:
-                    name = prefix + (f"{path}.{attr}" if path else attr)
-                    value = _materialise(name, tensor, device, meta_init)
-                    moved[id(tensor)] = nn.Parameter(value, requires_grad=False) if is_param else value
-                store[attr] = moved[id(tensor)]
-
-
-def _materialise(
-    name: str, tensor: torch.Tensor, device: torch.device, meta_init: MetaInit | None
-) -> torch.Tensor:
-    if not tensor.is_meta:
-        return tensor.detach().to(device)
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-    _require_init(name, meta_init)(name, out)
-    return out
-
-
-def _require_init(name: str, meta_init: MetaInit | None) -> MetaInit:
-    if meta_init is None:
-        raise OffloadError(f"{name} is on the meta device (no data); pass meta_init to fill it")
-    return meta_init
-
-
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """An uninitialised (nbytes,) uint8 host tensor, page-locked when `pin`.
-
-    Pinning registers the tensor's own memory (cudaHostRegister) rather than asking PyTorch's pinned
-    allocator, which rounds every block up to a power of two: up to 2x the host memory for big layers.
-    The registration ends when the returned tensor object is freed.
-    """
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if not pin or nbytes == 0:
-        return buffer
-    cudart = torch.cuda.cudart()
-    try:
-        error = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-        registered = error == cudart.cudaError.success
-    except (AttributeError, RuntimeError, TypeError):
-        registered = False
-    if not registered:
-        return buffer.pin_memory()
-    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
-    return buffer
-
-
-def _device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _align(offset: int) -> int:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specexec.backends.base import BackendError
 from specexec.backends.torch.draft_vocab import ReducedHead
 from specexec.paths import cache_root
 
@@ -46,7 +47,7 @@ W4A8_GROUP_SIZE = 64  # fixed by w4a8.c
 LOW_BIT_MAX_ROWS = 4
 
 
-class QuantError(ValueError):
+class QuantError(BackendError):
     """A quantization that cannot be applied as asked."""
 
 
@@ -320,7 +321,7 @@ def quantize_model(model: PreTrainedModel, mode: str, group_size: int = INT4_GRO
         raise QuantError(f"--quant {mode} runs on the CPU kernels; the model is on {model.device}")
     if quant_label(model) != "none":
         raise QuantError(f"the model is already quantized ({quant_label(model)})")
-    from specexec.backends.torch.offload import OffloadError, decoder_layers  # offload -> runner -> native imports this
+    from specexec.backends.torch.layers import OffloadError, decoder_layers
 
     try:
         layers = decoder_layers(model)
