@@ -8,14 +8,8 @@ from types import SimpleNamespace
 import jinja2
 import pytest
 
-from specexec.server.requests import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    GREEDY_BELOW,
-    MAX_TOKENS_WITHOUT_WINDOW,
-    RequestSettings,
-    check_request,
-    prepare,
-)
+from specexec.server.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, GREEDY_BELOW, MAX_TOKENS_WITHOUT_WINDOW
+from specexec.server.requests import RequestSettings, check_request, prepare
 from specexec.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 
 MODEL = "tiny"

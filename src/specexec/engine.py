@@ -231,6 +231,9 @@ class Generation:
         # buffers grow to that as the generation needs them.
         self.capacity = self.prompt.numel() + self.max_new_tokens + self.drafter.max_tree_size
         self.pair_draft = draft if self.method.drafts else None
+        # The draft is prefilled unless no step can draft: catching up later costs the same draft work
+        # inside decoding (and, on llama.cpp, new tree contexts mid-generation).
+        self.drafting = self.pair_draft is not None and self.drafter.may_draft(steps=self.max_new_tokens)
         self.prefix_cache = prefix_cache
         self.resumable = False  # whether the runners hold exactly `committed` (up to their lengths)
         self.target_runner, self.draft_runner = self._runners()
@@ -240,7 +243,7 @@ class Generation:
         prompt = self.prompt.tolist()
         reused = self.prefix_cache.take(self.target, self.pair_draft, prompt) if self.prefix_cache else None
         if reused is None:
-            return make_runner(self.target, self._needed(), trees=self._drafting()), None
+            return make_runner(self.target, self._needed(), trees=self.drafting), None
         # Everything but the last prompt token can be reused: that one becomes the first tree root.
         self.stats.cached_tokens = min(reused.shared_with(prompt), len(prompt) - 1)
         for runner in (reused.target, reused.draft):
@@ -251,19 +254,13 @@ class Generation:
     def _needed(self) -> int:
         return min(self.capacity, self.prompt.numel() + self.drafter.max_tree_size)
 
-    def _drafting(self) -> bool:
-        """Whether the draft is prefilled: unless no step can draft, since catching up later costs the
-        same draft work inside decoding (and, on llama.cpp, new tree contexts mid-generation)."""
-        return self.pair_draft is not None and self.drafter.may_draft(steps=self.max_new_tokens)
-
     def prefill(self, cancelled: Callable[[], bool] | None = None) -> bool:
         """Prefill everything but the last prompt token, which becomes the first tree root. False if
         `cancelled()` turned true between two chunks (what was prefilled stays)."""
         start = clock(self.prompt.device)
-        drafting = self._drafting()
-        if drafting and self.draft_runner is None:
+        if self.drafting and self.draft_runner is None:
             self.draft_runner = make_runner(self.pair_draft, self._needed())
-        for runner in [self.target_runner, self.draft_runner] if drafting else [self.target_runner]:
+        for runner in [self.target_runner, self.draft_runner] if self.drafting else [self.target_runner]:
             runner.reserve(self._needed(), most=self.capacity)
             if not prefill(runner, self.prompt[runner.length : -1], cancelled):
                 self.resumable = True
@@ -288,7 +285,8 @@ class Generation:
         )  # fmt: skip
         tree = proposal.tree
         root_slot = self.committed.numel() - 1
-        logits = tree_forward(self.target_runner, tree, torch.arange(tree.size), root_slot)  # (size, V)
+        nodes = torch.arange(tree.size, device=self.prompt.device)
+        logits = tree_forward(self.target_runner, tree, nodes, root_slot)  # (size, V)
         path, bonus = self.method.rule(tree, logits, proposal, self.sampling, self.generator)
         path_nodes = torch.tensor([0, *path], dtype=torch.long, device=self.prompt.device)
         self._commit(tree, root_slot, path_nodes)

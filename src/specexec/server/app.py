@@ -22,9 +22,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specexec.backends import as_model
 from specexec.engine import SETTINGS, sized_by_cost, stream
 from specexec.methods import METHODS
+from specexec.server.limits import DEFAULT_MAX_TOKENS
 from specexec.server.metrics import Metrics
 from specexec.server.queue import GenerationQueue
-from specexec.server.requests import DEFAULT_MAX_TOKENS, RequestSettings
+from specexec.server.requests import RequestSettings
 from specexec.server.routes import ClientGone, Service, docs_router, router, with_schema_defs
 from specexec.server.schemas import APIError, error_body
 

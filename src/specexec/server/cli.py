@@ -16,11 +16,11 @@ from pathlib import Path
 
 from specexec.cli_args import EXIT_FAILURE, non_negative_int, pair_spec, positive_int
 from specexec.loading import load_pair
+from specexec.server.limits import DEFAULT_MAX_TOKENS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16
-DEFAULT_MAX_TOKENS = 4096
 DEFAULT_PREFIX_CACHE_MB = 1024
 _INSTALL_HINT = "pip install 'specexec[server]'"
 

@@ -12,6 +12,12 @@ from dataclasses import dataclass
 import jinja2
 
 from specexec.backends.base import Model
+from specexec.server.limits import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    GREEDY_BELOW,
+    MAX_TOKENS_WITHOUT_WINDOW,
+)
 from specexec.server.queue import Params, random_seed
 from specexec.server.schemas import (
     APIError,
@@ -20,11 +26,6 @@ from specexec.server.schemas import (
     reject_unsupported,
     stop_sequences,
 )
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
-DEFAULT_MAX_TOKENS = 4096  # a chat request without max_tokens generates at most this many
-MAX_TOKENS_WITHOUT_WINDOW = 32768  # the context length of a model whose config states none
-GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (as vLLM does)
 
 
 @dataclass(frozen=True)
