@@ -634,6 +634,26 @@ def test_generate_command_runs_on_llamacpp_and_names_the_backend(tokenized_gguf:
     assert "[ar, torch] 6 tokens" in capsys.readouterr().err
 
 
+def test_bench_command_runs_on_llamacpp_and_reports_its_weights(tokenized_gguf: Path) -> None:
+    """The bench's report describes the GGUF's weights through the backend seam (it read a torch-only
+    attribute once, and failed after every generation had run)."""
+    import json
+
+    from specexec.cli import main
+
+    prompts = tokenized_gguf.parent / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ab a"}) + "\n" + json.dumps({"prompt": "ba b"}) + "\n")
+    out = tokenized_gguf.parent / "bench"
+    models = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--backend", "llamacpp"]
+    run = ["--prompts", str(prompts), "--max-new-tokens", "6", "--warmup-tokens", "2", "--threads", "1"]
+    methods = ["--methods", "ar,specexec", "--budgets", "4", "--no-progress", "--out", str(out)]
+    assert main(["bench", *models, *run, *methods]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [row["label"] for row in rows] == ["ar", "specexec@4"]
+    assert {row["machine"]["dtype"] for row in rows} == {LlamaCppModel(tokenized_gguf, threads=1).weights}
+    assert "qwen2" in rows[0]["machine"]["dtype"] and all(row["identical_to_ar"] for row in rows)
+
+
 def test_llamacpp_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
     from specexec.cli import main
 

@@ -18,6 +18,8 @@ class ToyModel:
     """A `specexec.backends.base.Model` over `module` (a float32 Hugging Face causal LM)."""
 
     runtime = "toy"
+    weights = "float32"
+    quantization = "none"
     cost_label = ""
     max_tree_leaves = None
     device = torch.device("cpu")

@@ -85,8 +85,8 @@ def _add_source_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_args(parser: argparse.ArgumentParser, lists: bool) -> None:
+    from specexec.backends.base import QUANT_MODES
     from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB
-    from specexec.backends.torch.quant import QUANT_MODES
 
     quant_help = (
         "CPU quantization of target and draft: int8 per channel or int4 per group of 64 (weight-only, "
@@ -162,7 +162,7 @@ def _vocab_list(text: str) -> list[int | str]:
 
 
 def _quant_list(text: str) -> list[str]:
-    from specexec.backends.torch.quant import QUANT_MODES
+    from specexec.backends.base import QUANT_MODES
 
     levels = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [level for level in levels if level not in QUANT_MODES]

@@ -90,6 +90,15 @@ class Model(Protocol):
         """The end-of-sequence ids its own metadata lists."""
 
     @property
+    def weights(self) -> str:
+        """What its weights are, for reports ("bfloat16", "qwen2 1.5B Q4_K - Medium")."""
+
+    @property
+    def quantization(self) -> str:
+        """The low-bit form its weights were converted to at load (one of QUANT_MODES; "none" where it
+        runs them as stored)."""
+
+    @property
     def cost_label(self) -> str:
         """What changes its forward costs beyond its weights, for people ("" for nothing)."""
 
@@ -162,6 +171,11 @@ def prefill(runner: Runner, tokens: torch.Tensor, cancelled: Callable[[], bool] 
     return True
 
 
+# What `LoadOptions.quant` may ask: weights as stored, or converted at load to a low-bit form for the CPU
+# kernels (the torch backend has them all; llama.cpp runs the GGUF's own types).
+QUANT_MODES = ("none", "int8", "int4", "w4a8")
+
+
 class BackendError(ValueError):
     """A runtime cannot do what was asked (an option it lacks, a model it cannot run, missing hardware);
     the message says why in one line."""
@@ -173,7 +187,7 @@ class LoadOptions:
 
     dtype: torch.dtype | None = None  # in-memory dtype (torch)
     offload: dict | None = None  # streaming decoder layers to a GPU (torch): `offload_model` arguments
-    quant: str = "none"  # low-bit CPU weights (torch)
+    quant: str = "none"  # low-bit CPU weights, one of QUANT_MODES (torch)
     vocab: int = 0  # > 0: a draft that scores only its first `vocab` token ids (`specexec.draft_vocab`)
     always: tuple[int, ...] = ()  # ids a reduced head keeps whatever `vocab` (the special tokens)
     threads: int | None = None  # compute threads (llama.cpp; torch uses torch's setting)

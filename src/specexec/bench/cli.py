@@ -191,6 +191,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     import importlib.util
     from pathlib import Path
 
+    from specexec.backends import as_model
     from specexec.bench.core import run_benchmark
     from specexec.bench.errors import BenchError
     from specexec.bench.methods import DRAFT_METHODS
@@ -238,7 +239,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     )
     last = list(pairs.values())[-1]  # several levels: the report names the last one's backends
     machine = machine_info(
-        dtype=str(main_pair.target.dtype).removeprefix("torch."),
+        dtype=as_model(main_pair.target).weights,
         simulated_offload=last.simulated,
         command=command,
         target=args.target,

@@ -38,7 +38,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specexec.backends import as_model
-from specexec.backends.torch.quant import QUANT_MODES, quant_label
+from specexec.backends.base import QUANT_MODES
 from specexec.bench.errors import BenchError
 from specexec.bench.hf import run_hf
 from specexec.bench.llamacpp import PLAIN, SPECULATIVE
@@ -301,7 +301,7 @@ def run_benchmark(
 
     configs = list(configs)
     prompts = list(prompts)
-    pairs = {quant_label(target): (target, draft), **(quantized or {})}
+    pairs = {as_model(target).quantization: (target, draft), **(quantized or {})}
     drafts = dict(drafts or {})
     external = {PLAIN: llamacpp, SPECULATIVE: llamacpp_spec}
     _check(
@@ -446,7 +446,7 @@ def _check(
     on_pairs = sorted({c.draft_vocab for c in configs if c.method in DRAFT_METHODS} - set(drafts))
     if len(on_pairs) > 1:
         raise BenchError(f"no draft with --draft-vocab {on_pairs[-1]} was loaded")
-    main_level = quant_label(next(iter(pairs.values()))[0])
+    main_level = as_model(next(iter(pairs.values()))[0]).quantization
     if any(c.draft_vocab in drafts and c.quant != main_level for c in configs):
         raise BenchError(f"drafts of other vocabularies run at the {main_level} level only")
     target = next(iter(pairs.values()))[0]

@@ -61,6 +61,7 @@ class LlamaCppModel:
 
     runtime = "llama.cpp"
     cost_label = ""
+    quantization = "none"  # the GGUF's own weights, whatever their types
     device = CPU
     max_tree_leaves = MAX_SEQUENCES - 1  # every leaf of a verified tree is a sequence of its own
 
@@ -104,7 +105,7 @@ class LlamaCppModel:
         self.context_window = llama_cpp.llama_model_n_ctx_train(self.handle)
         self._eos = sorted(set(eos))
         self.num_parameters = llama_cpp.llama_model_n_params(self.handle)
-        self.weight_type = _weight_type(llama_cpp, self.handle)
+        self.weights = _weight_type(llama_cpp, self.handle)  # e.g. "qwen2 1.5B Q4_K - Medium"
         self.width = llama_cpp.llama_model_n_embd(self.handle)
         # float16 keys and values (llama.cpp's default cache type) for every layer's KV heads.
         head_dim = self.width // llama_cpp.llama_model_n_head(self.handle)
@@ -146,7 +147,7 @@ class LlamaCppModel:
         stat = self.gguf.stat()
         head = f":head{self.head_rows}" if self.head is not None else ""
         return (
-            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.weight_type}{head}:"
+            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}{head}:"
             f"{self.threads}t:{self.version}"
         )
 

@@ -56,6 +56,14 @@ class TorchModel:
         return ids
 
     @property
+    def weights(self) -> str:
+        return str(self.module.dtype).removeprefix("torch.")
+
+    @property
+    def quantization(self) -> str:
+        return quant_label(self.module)
+
+    @property
     def cost_label(self) -> str:
         """What offloading, real or simulated, changes its forward costs ("" for none)."""
         return offload_label(self.module)

@@ -36,11 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from specexec.backends.base import BackendError
+from specexec.backends.base import QUANT_MODES, BackendError
 from specexec.backends.torch.draft_vocab import ReducedHead
 from specexec.paths import cache_root
 
-QUANT_MODES = ("none", "int8", "int4", "w4a8")
 INT4_GROUP_SIZE = 64  # 32 is 2-5x slower in the CPU kernel for long rows (K = 8960) and the LM head
 W4A8_GROUP_SIZE = 64  # fixed by w4a8.c
 # Measured on a 2-core AMX CPU, 1536x8960 weight: the low-bit kernels beat bfloat16 up to 4 rows.
@@ -356,7 +355,5 @@ def _group_size(mode: str, group_size: int) -> int:
 
 def quant_label(model: nn.Module) -> str:
     """One of QUANT_MODES: how the model's linear layers are stored (with int8 fallbacks, the 4-bit mode)."""
-    if not isinstance(model, nn.Module):
-        return "none"  # a llama.cpp model: the GGUF's own weights
     modes = {m.mode for m in model.modules() if isinstance(m, QuantLinear)}
     return next((mode for mode in ("w4a8", "int4", "int8") if mode in modes), "none")
