@@ -15,7 +15,7 @@ from specexec.calibration import cached_cost_model
 from specexec.drafters import Drafter, DraftRequest
 from specexec.drafters.base import tree_forward
 from specexec.learnt import LearntPolicies
-from specexec.methods import DSL_MAX_LENGTH, DraftOptions, Method, UnknownMethod, method
+from specexec.methods import DSL_MAX_LENGTH, DraftOptions, Method, UnknownMethod, method, not_for
 from specexec.models import eos_token_ids
 from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams
@@ -357,7 +357,7 @@ def _checked(settings: Settings, target, draft, tokenizer) -> Method:
     if not isinstance(ngram, int) or ngram < 0:
         raise GenerationError(f"ngram must be an integer >= 0, got {ngram!r}")
     if budget == "auto" and not chosen.auto:
-        raise GenerationError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {chosen.name!r}")
+        raise GenerationError(not_for(chosen.name, "budget 'auto'", "auto"))
     if budget != "auto" and (not isinstance(budget, int) or (chosen.drafts and budget < 1)):
         raise GenerationError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
     if settings.lookahead_schedule not in ("constant", "heuristic"):
@@ -371,7 +371,7 @@ def _checked(settings: Settings, target, draft, tokenizer) -> Method:
             f"in one pass; use a budget of at most {leaf_limit - 2 * ngram}"
         )
     if ngram and "ngram" not in chosen.options:
-        raise GenerationError(f"ngram grafting is for method 'specexec', not {chosen.name!r}")
+        raise GenerationError(not_for(chosen.name, "ngram grafting", "ngram"))
     if settings.stop_strings and tokenizer is None:
         raise GenerationError("stop_strings need a tokenizer")
     try:

@@ -149,6 +149,13 @@ METHODS: dict[str, Method] = {
 }
 
 
+def not_for(name: str, what: str, taking: str) -> str:
+    """The message refusing `what` (e.g. "budget 'auto'") to method `name`, naming the methods that take
+    it: those with `auto`, or whose options include `taking`."""
+    able = [repr(m.name) for m in METHODS.values() if (m.auto if taking == "auto" else taking in m.options)]
+    return f"{what} is for method{'s' if len(able) > 1 else ''} {' and '.join(able)}, not {name!r}"
+
+
 class UnknownMethod(ValueError):
     """A method name the registry does not have."""
 

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specexec.backends import as_model
 from specexec.engine import SETTINGS, sized_by_cost, stream
-from specexec.methods import METHODS
+from specexec.methods import METHODS, not_for
 from specexec.server.limits import DEFAULT_MAX_TOKENS
 from specexec.server.metrics import Metrics
 from specexec.server.queue import GenerationQueue
@@ -194,7 +194,7 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if budget == "auto" and not METHODS[method].auto:
-        raise ValueError(f"budget 'auto' is for methods 'specexec' and 'dsl', not {method!r}")
+        raise ValueError(not_for(method, "budget 'auto'", "auto"))
     if budget not in (None, "auto") and (not isinstance(budget, int) or (method != "ar" and budget < 1)):
         raise ValueError(f"budget must be an integer >= 1, 'auto' or None, got {budget!r}")
     options = dict(engine_options or {})
