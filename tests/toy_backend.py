@@ -43,6 +43,9 @@ class ToyModel:
     def cost_key(self) -> str:
         return f"toy:{sum(p.numel() for p in self.module.parameters())}:{self.module.config.vocab_size}"
 
+    def memory(self) -> None:
+        return None
+
     def make_runner(self, capacity: int, trees: bool = True) -> ToyRunner:
         return ToyRunner(self, capacity)
 

@@ -24,6 +24,9 @@ DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 # to emit more tokens; published SpecExec trees reach about 20): larger sizes are not timed, and the
 # cost model extrapolates past the last one timed.
 REPAY_LIMIT = 20
+# A model whose one-token forward takes this long (seconds: a target streamed from disk) is timed in one
+# round: its forwards are long against the machine's drift, and three rounds would take minutes.
+SLOW_FORWARD = 0.25
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
 CALIBRATION_FORMAT = "paired-ratios"
 
@@ -41,7 +44,8 @@ def calibrate(
     Each sample of size n is taken right after a one-token forward of the same model and kept as the
     ratio of the two: this machine's speed drifts (other tenants, clocks), often by tens of percent
     within a minute, and a drift must move the whole curve, not the ratios the policies weigh sizes by.
-    A size's cost is then the median of its `repeats` ratios (2 from 256 tokens up, where a run is long
+    A model whose one-token forward takes SLOW_FORWARD or more is sampled in one round only. A size's
+    cost is then the median of its `repeats` ratios (2 from 256 tokens up, where a run is long
     and steady) times the model's one-token cost, the median of all its one-token samples.
 
     The curve is not forced to be monotone: llama.cpp's repacked kernels work on groups of rows, so a
@@ -76,6 +80,7 @@ def calibrate(
         return one, (time_forward(name, n) / one if n > 1 else 1.0)
 
     sizes: dict[str, list[int]] = {"target": [], "draft": []}
+    warm: dict[str, float] = {}  # each model's first one-token forward, seconds
     with torch.inference_mode():
         for runner in runners.values():
             runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
@@ -86,10 +91,15 @@ def calibrate(
                     seconds = time_forward(name, n)
                     bar.update()
                     one_step = one_step or seconds
+                    warm.setdefault(name, seconds)
                     sizes[name].append(n)
                     if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
                         break
-        rounds = _rounds(sizes, repeats)
+        slow = {name for name, ones_ in warm.items() if ones_ >= SLOW_FORWARD}
+        rounds = [
+            [job for job in jobs if r == 0 or job[0] not in slow]
+            for r, jobs in enumerate(_rounds(sizes, repeats))
+        ]
         ones: dict[str, list[float]] = {name: [] for name in models}
         ratios: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
         with tqdm(

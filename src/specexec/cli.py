@@ -182,7 +182,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"{stats.tokens_per_step:.2f} tokens/step over {stats.target_calls} target calls | "
         f"decode {stats.decode_tokens_per_second:.2f} tok/s | prefill {stats.prefill_seconds:.2f} s | "
         f"draft {stats.draft_seconds:.2f} s, target {stats.target_seconds:.2f} s, "
-        f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}{calibration}",
+        f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}{calibration}"
+        f"{' | ' + pair.memory if pair.memory else ''}",
         file=sys.stderr,
     )
     return 0

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Callable
 
 from specexec.loading import PairSpec
+from specexec.sizes import SizeError, parse_size
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -46,6 +47,15 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
     _add_source_args(parser)
     _add_quant_args(parser, quant_list)
     _add_offload_args(parser.add_argument_group("offloading (target only)"))
+    parser.add_argument_group("streaming from disk (llama.cpp, target only)").add_argument(
+        "--ram",
+        type=ram_size,
+        default=None,
+        metavar="SIZE",
+        help="RAM the target's weights may use, e.g. 512MiB: layers that fit stay resident, the rest is "
+        "read from disk on every pass (0: stream all it can). For a GGUF bigger than RAM, or to leave "
+        "RAM to other programs",
+    )
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +163,14 @@ def _add_offload_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def ram_size(text: str) -> int:
+    """--ram's SIZE in bytes, 0 allowed."""
+    try:
+        return parse_size(text, zero=True)
+    except SizeError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _draft_vocab(text: str) -> int | str:
     return "auto" if text.strip() == "auto" else non_negative_int(text)
 
@@ -204,4 +222,5 @@ def pair_spec(
         gpu_memory=args.gpu_memory,
         quant_offload=args.quant_offload,
         simulate_offload_gbps=args.simulate_offload_gbps,
+        ram=args.ram,
     )

@@ -36,6 +36,7 @@ class PairSpec:
     gpu_memory: str | None = None
     quant_offload: str | None = None
     simulate_offload_gbps: float | None = None
+    ram: int | None = None  # bytes of RAM the target's weights may use (llama.cpp streams the rest)
 
     @property
     def offloads(self) -> bool:
@@ -61,6 +62,14 @@ class LoadedPair:
     simulated: str | None = None  # the simulated offloading's label: every timing is simulated
 
     @property
+    def memory(self) -> str:
+        """Where the target's weights are, when part of them streams from disk ("" when all in RAM)."""
+        from specexec.backends import as_model
+
+        memory = as_model(self.target).memory()
+        return memory.describe() if memory is not None else ""
+
+    @property
     def backend_label(self) -> str:
         return backend_label(self.target_backend, self.draft_backend)
 
@@ -81,6 +90,7 @@ def load_pair(spec: PairSpec) -> LoadedPair:
     target = load_model(
         spec.target, _dtype(spec.dtype, backend), offload=_offload_options(spec), quant=spec.quant,
         backend=backend, threads=spec.threads, simulate_offload_gbps=spec.simulate_offload_gbps,
+        ram=spec.ram,
     )  # fmt: skip
     pair = LoadedPair(tokenizer, target, backend)
     if spec.simulate_offload_gbps is not None:
@@ -124,6 +134,7 @@ def target_backend(spec: PairSpec) -> str:
     given += [("quant", f"--quant {spec.quant}")] if spec.quant != "none" else []
     given += [("offload", "--offload")] if spec.offloads else []
     given += [("offload", "--simulate-offload-gbps")] if spec.simulate_offload_gbps is not None else []
+    given += [("ram", "--ram")] if spec.ram is not None else []
     return choose_backend(spec.backend, spec.target, given)
 
 

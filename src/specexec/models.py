@@ -99,6 +99,7 @@ def load_model(
     backend: str = "torch",
     threads: int | None = None,
     simulate_offload_gbps: float | None = None,
+    ram: int | None = None,
 ):
     """Load a causal LM in eval mode on the CPU, on the backend `backend` names (see `specexec.backends`).
 
@@ -112,8 +113,10 @@ def load_model(
     arguments of `specexec.backends.torch.offload.offload_model`) streams the decoder layers from host
     memory to the GPU. ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form
     for the CPU kernels; ``simulate_offload_gbps`` charges every forward the time to stream its weights at
-    that speed (a stand-in for a GPU: every timing is then simulated). ``vocab`` > 0 makes a draft score
-    only its first ``vocab`` token ids, plus its special tokens (`specexec.draft_vocab`).
+    that speed (a stand-in for a GPU: every timing is then simulated). ``ram`` (bytes, llama.cpp) caps the
+    RAM the weights use, the rest read from disk on every pass (0: as little as it can). ``vocab`` > 0
+    makes a draft score only its first ``vocab`` token ids, plus its special tokens
+    (`specexec.draft_vocab`).
     """
     given = [
         (key, words)
@@ -122,6 +125,7 @@ def load_model(
             ("offload", "offloading", offload is not None),
             ("quant", f"--quant {quant}", quant != "none"),
             ("offload", "simulated offloading", simulate_offload_gbps is not None),
+            ("ram", "--ram", ram is not None),
         )
         if present
     ]
@@ -132,7 +136,7 @@ def load_model(
         always = tuple(tokenizer.all_special_ids)
         if runtime.WEIGHTS == "gguf":
             check_draft_vocab(vocab, len(tokenizer))
-    options = LoadOptions(dtype, offload, quant, vocab, always, threads, simulate_offload_gbps)
+    options = LoadOptions(dtype, offload, quant, vocab, always, threads, simulate_offload_gbps, ram)
     if runtime.WEIGHTS == "gguf":
         try:
             return runtime.load(gguf_file(source), options)

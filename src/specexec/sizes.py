@@ -23,8 +23,9 @@ _UNITS = {
 }  # fmt: skip
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from "20GiB", "20GB" (10^9), "512M" (bare letters are binary) or a plain number."""
+def parse_size(text: str | int, zero: bool = False) -> int:
+    """Bytes from "20GiB", "20GB" (10^9), "512M" (bare letters are binary) or a plain number; 0 only
+    where `zero` allows it."""
     if isinstance(text, int):
         value = text
     else:
@@ -33,8 +34,8 @@ def parse_size(text: str | int) -> int:
         if unit not in _UNITS:
             raise SizeError(f"cannot read {text!r} as a memory size; write it like 20GiB, 20GB or 512MiB")
         value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise SizeError(f"a memory size must be positive, got {text!r}")
+    if value < 0 or (value == 0 and not zero):
+        raise SizeError(f"a memory size must be {'0 or more' if zero else 'positive'}, got {text!r}")
     return value
 
 

@@ -106,9 +106,33 @@ class Model(Protocol):
         """What its forward costs depend on (weights, kernels, threads, device, offloading): calibrations
         are kept per pair of keys."""
 
+    def memory(self) -> WeightsMemory | None:
+        """Where its weights are when part of them is read from storage on every pass (`--ram`); None
+        when they are all in memory."""
+
     def make_runner(self, capacity: int, trees: bool = True) -> Runner:
         """A runner of `capacity` slots to start with. `trees=False` says the generation expects plain
         one-token steps (a runtime may then start smaller and grow at its first tree)."""
+
+
+@dataclass(frozen=True)
+class WeightsMemory:
+    """A model whose weights do not all stay in RAM: what stays, what is read from storage every pass,
+    measured where it says so."""
+
+    resident: int  # bytes of weights kept in RAM
+    streamed: int  # bytes read from storage on every pass
+    window: int  # the most streamed bytes held at once (read ahead of compute)
+    in_ram: int  # bytes of the weights in RAM now (measured)
+    disk_bytes_per_second: float  # sequential read speed of the weights' storage (measured at load)
+
+    def describe(self) -> str:
+        """One line for the stats line and the server log."""
+        return (
+            f"weights {self.resident / 2**20:.0f} MiB resident, {self.streamed / 2**20:.0f} MiB streamed "
+            f"per pass (read-ahead window {self.window / 2**20:.0f} MiB, disk "
+            f"{self.disk_bytes_per_second / 1e9:.2f} GB/s)"
+        )
 
 
 class SlotRunner:
@@ -192,3 +216,6 @@ class LoadOptions:
     always: tuple[int, ...] = ()  # ids a reduced head keeps whatever `vocab` (the special tokens)
     threads: int | None = None  # compute threads (llama.cpp; torch uses torch's setting)
     simulate_offload_gbps: float | None = None  # charge every forward the time to stream its weights (torch)
+    ram: int | None = (
+        None  # RAM its weights may use (bytes); the rest is read from disk every pass (llama.cpp)
+    )

@@ -22,7 +22,7 @@ def unavailable() -> str | None:
     return None
 
 
-OPTIONS = ("threads", "vocab")  # the load options it takes: it runs the GGUF's own weights
+OPTIONS = ("threads", "vocab", "ram")  # the load options it takes: it runs the GGUF's own weights
 
 
 def refusal(given: list[tuple[str, str]]) -> str | None:
@@ -35,7 +35,7 @@ def refusal(given: list[tuple[str, str]]) -> str | None:
 
 
 def load(path: Path, options: LoadOptions) -> LlamaCppModel:
-    return LlamaCppModel(path, options.threads, options.vocab, always=options.always)
+    return LlamaCppModel(path, options.threads, options.vocab, always=options.always, ram=options.ram)
 
 
 def default_draft_vocab(vocab_size: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,22 @@ def llama_cpp_library():
         raise LlamaCppError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from None
     _quiet(llama_cpp)
     return llama_cpp
+
+
+_TENSOR_NAME = None
+
+
+def tensor_name(tensor: int) -> bytes:
+    """A ggml tensor's name (`ggml_get_name`, from the ggml library llama-cpp-python ships)."""
+    global _TENSOR_NAME
+    if _TENSOR_NAME is None:
+        import llama_cpp
+
+        ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+        ggml.ggml_get_name.restype = ctypes.c_char_p
+        ggml.ggml_get_name.argtypes = (ctypes.c_void_p,)
+        _TENSOR_NAME = ggml.ggml_get_name
+    return _TENSOR_NAME(tensor)
 
 
 _LOG_CALLBACK = None

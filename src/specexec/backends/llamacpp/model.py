@@ -33,8 +33,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specexec.backends.base import WeightsMemory
+from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.head import reduced_head
-from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
+from specexec.backends.llamacpp.library import (
+    CPU,
+    MAX_SEQUENCES,
+    LlamaCppError,
+    llama_cpp_library,
+    tensor_name,
+)
 
 if TYPE_CHECKING:
     from specexec.backends.llamacpp.runner import LlamaCppRunner
@@ -57,6 +65,10 @@ class LlamaCppModel:
     A runner's context outlives it as a spare (`give_context`): the next runner of the same shape takes
     it instead of making one, which costs 45 ms (one sequence) to 190 ms (256 sequences) for the 1.5B
     target on 2 cores, on every generation and on a generation's first tree.
+
+    `ram` (bytes) caps the RAM its weights use: what does not fit is read from disk on every pass
+    (`specexec.backends.llamacpp.stream`; 0 streams all it can). None, or a cap above the weights, loads
+    them as usual.
     """
 
     runtime = "llama.cpp"
@@ -71,6 +83,7 @@ class LlamaCppModel:
         threads: int | None = None,
         vocab: int = 0,
         always: Iterable[int] = (),
+        ram: int | None = None,
     ) -> None:
         self._llama_cpp = llama_cpp = llama_cpp_library()
         self.gguf = Path(gguf)
@@ -87,9 +100,19 @@ class LlamaCppModel:
             self._embedding_type = head["embedding_type"]
             loaded = folder / "model.gguf"
         params = llama_cpp.llama_model_default_params()
+        plan = stream.plan(self.gguf, ram) if ram is not None and self.head is None else None
+        if plan is not None and plan.streamed:
+            # Weights read straight from llama.cpp's mapping: not repacked into anonymous memory.
+            params.use_extra_bufts = False
+            params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+            maps = stream.mapped()
         self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
         if not self.handle:
             raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
+        self.stream: stream.Streamer | None = None
+        if plan is not None and plan.streamed:
+            self.stream = stream.Streamer(self.gguf, stream.mapping_base(self.gguf, maps), plan)
+            self.eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._layer_done)
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
         self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [
@@ -138,6 +161,24 @@ class LlamaCppModel:
         for _, old in dropped:
             llama_cpp.llama_free(old)
 
+    def _layer_done(self, tensor: int, ask: bool, user_data: int) -> bool:
+        """llama.cpp's eval callback: asks for each layer's output, then hears it is computed."""
+        name = tensor_name(tensor)
+        if ask:
+            return name.startswith(stream.LAYER_OUTPUT)
+        self.stream.layer_done(int(name[len(stream.LAYER_OUTPUT) :]))
+        return True  # go on computing
+
+    def memory(self) -> WeightsMemory | None:
+        """What stays in RAM and what streams, when `ram` made part of the weights stream."""
+        if self.stream is None:
+            return None
+        plan = self.stream.plan
+        return WeightsMemory(
+            plan.resident_bytes, plan.streamed_bytes, plan.window_bytes, sum(self.stream.residency()),
+            self.stream.disk_bytes_per_second,
+        )  # fmt: skip
+
     def eos_token_ids(self) -> list[int]:
         """The end-of-sequence and end-of-turn ids of the GGUF's vocabulary."""
         return list(self._eos)
@@ -146,8 +187,9 @@ class LlamaCppModel:
         """What the calibration cache keys on: file, size, weight type, threads, library version."""
         stat = self.gguf.stat()
         head = f":head{self.head_rows}" if self.head is not None else ""
+        streamed = f":streamed{self.stream.plan.streamed_bytes}" if self.stream is not None else ""
         return (
-            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}{head}:"
+            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}{head}{streamed}:"
             f"{self.threads}t:{self.version}"
         )
 
@@ -168,6 +210,9 @@ class LlamaCppModel:
         for _, ctx in getattr(self, "_spares", []):
             self._llama_cpp.llama_free(ctx)  # contexts before the model they were made from
         self._spares = []
+        if getattr(self, "stream", None) is not None:
+            self.stream.close()
+            self.stream = None
         if getattr(self, "handle", None):
             self._llama_cpp.llama_model_free(self.handle)
             self.handle = None

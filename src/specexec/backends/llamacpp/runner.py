@@ -256,6 +256,8 @@ class LlamaCppRunner(SlotRunner):
         params.kv_unified = True  # one cell may belong to many sequences: required for trees
         params.n_threads = params.n_threads_batch = self.model.threads
         params.no_perf = True
+        if self.model.stream is not None:
+            params.cb_eval = self.model.eval_callback  # each layer's end: drop it, read further ahead
         # Flash attention off: ggml's CPU flash attention sums over cache cells in cell order with
         # float16 rounding, and accepted paths leave cells out of position order (rejected nodes' cells
         # are holes the next tree fills), which moved logits by up to 1% on the test models; it also
@@ -273,7 +275,7 @@ class LlamaCppRunner(SlotRunner):
         """llama_decode over the rows, BATCH at a time; logits (len(kept), V) of rows `kept`."""
         llama_cpp, batch = self.llama_cpp, self.batch
         wanted = set(kept)
-        head = self.model.head
+        head, streamer = self.model.head, self.model.stream
         out: list[torch.Tensor] = []
         start = clock(CPU)
         for first in range(0, len(tokens), BATCH):
@@ -293,7 +295,11 @@ class LlamaCppRunner(SlotRunner):
                 batch.logits[j] = i in wanted
                 outputs += i in wanted
             batch.n_tokens = count
+            if streamer is not None:
+                streamer.begin()
             status = llama_cpp.llama_decode(self.ctx, batch)
+            if streamer is not None:
+                streamer.end()
             if status != 0:
                 raise LlamaCppError(f"llama_decode failed with status {status} (KV cache full or bad batch)")
             if outputs:

@@ -21,7 +21,12 @@ def unavailable() -> str | None:
 
 
 def refusal(given: list[tuple[str, str]]) -> str | None:
-    return None  # every load option is this backend's
+    """Every option but OPTIONS is llama.cpp's. `given` holds (option key, the option in the user's
+    words)."""
+    for key, words in given:
+        if key not in OPTIONS:
+            return f"{words} is for the llama.cpp backend (a GGUF target streamed from disk)"
+    return None
 
 
 def load(path: Path, options: LoadOptions) -> PreTrainedModel:

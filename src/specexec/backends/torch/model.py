@@ -79,5 +79,8 @@ class TorchModel:
             f"{draft_vocab_size(module)}:{forward_label(module)}:{self.cost_label}"
         )
 
+    def memory(self) -> None:
+        return None  # in memory (offloading streams from host RAM, which holds every weight)
+
     def make_runner(self, capacity: int, trees: bool = True) -> ModelRunner:
         return ModelRunner(self.module, capacity)  # slot buffers serve trees and plain steps alike

@@ -1,0 +1,313 @@
+"""Running a GGUF target in less RAM than its weights: what does not fit is read from disk on every pass.
+
+llama.cpp maps the GGUF read-only and its CPU kernels read the weights straight from the mapping (with
+repacking off: `use_extra_bufts = False`, else some tensor types are copied into anonymous memory, which
+cannot be streamed). So the page cache decides what is in RAM, and left alone its LRU evicts each page
+just before the next pass needs it. `Streamer` steers it instead, in units of one layer (`blk.N`) plus
+the output head:
+
+- **resident** units stay in the page cache (populated at load, never dropped);
+- **streamed** units are read ahead of compute by a thread of ours (`posix_fadvise(WILLNEED)` to queue
+  large reads, then `madvise(MADV_POPULATE_READ)` to wait for them and map them), at most `AHEAD`
+  units beyond the one computing, and dropped behind it (`madvise(MADV_DONTNEED)` on the mapping, then
+  `posix_fadvise(DONTNEED)` on the file) as soon as llama.cpp's eval callback reports the layer's
+  output; after a pass the reader starts on the next pass's first units, while the draft works;
+- the token embedding table is gathered a few rows a pass: it is never read ahead, and the rows a pass
+  touched are dropped after it.
+
+Dropping a page never changes a result: a page of a clean file mapping is read again if touched again.
+The file is checked before every pass: one that changed on disk is an error (`LlamaCppError`), since a
+mapping of a file written in place would hand the kernels other weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specexec.backends.llamacpp.library import LlamaCppError
+from specexec.sizes import format_bytes
+
+PAGE = mmap.PAGESIZE
+AHEAD = 2  # streamed units read ahead of the one computing: reads overlap compute, RAM stays bounded
+MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # <asm-generic/mman-common.h>
+EMBEDDING = "token_embd.weight"
+LAYER_OUTPUT = b"l_out-"  # llama.cpp names each layer's output "l_out-<layer>" (llama-graph.cpp, `cb`)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Tensors used together in a pass: one layer (`blk.N`), or the output head (with every other tensor
+    outside the layers); `spans` their byte ranges in the file, adjacent tensors merged."""
+
+    name: str
+    spans: tuple[tuple[int, int], ...]
+    layer: int | None  # the layer's index; None for the head
+
+    @property
+    def nbytes(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which units stay resident, which stream, and the RAM they need (bytes)."""
+
+    units: tuple[Unit, ...]  # in the order a pass uses them
+    streamed: frozenset[str]
+    embedding: tuple[int, int]  # the token embedding table's bytes in the file (gathered)
+    total: int  # bytes of every unit and the embedding table
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units if u.name not in self.streamed)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units if u.name in self.streamed)
+
+    @property
+    def window_bytes(self) -> int:
+        """The most streamed bytes held at once: a unit computing and the AHEAD read after it."""
+        return window(self.units, self.streamed)
+
+    @property
+    def ram_bytes(self) -> int:
+        """What the weights may hold in RAM: the resident units and the read-ahead window."""
+        return self.resident_bytes + self.window_bytes
+
+
+def layout(gguf: Path) -> tuple[list[Unit], tuple[int, int]]:
+    """The GGUF's units in pass order (layers by index, then the head) and the embedding table's bytes.
+
+    `GGUFReader`'s `data_offset` is a tensor's absolute offset in the file, the one llama.cpp maps."""
+    from gguf import GGUFReader
+
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    embedding = (0, 0)
+    tensors = GGUFReader(gguf).tensors
+    for tensor in tensors:
+        span = (int(tensor.data_offset), int(tensor.data_offset + tensor.n_bytes))
+        if tensor.name == EMBEDDING:
+            embedding = span
+            continue
+        name = ".".join(tensor.name.split(".")[:2]) if tensor.name.startswith("blk.") else "head"
+        ranges.setdefault(name, []).append(span)
+    if not any(t.name == "output.weight" for t in tensors):
+        # The embedding table is also the output matrix: read whole at the end of every pass.
+        ranges.setdefault("head", []).append(embedding)
+        embedding = (0, 0)
+    units = [
+        Unit(name, _merged(spans), int(name.split(".")[1]) if name != "head" else None)
+        for name, spans in ranges.items()
+    ]
+    units.sort(key=lambda u: (u.layer is None, u.layer or 0))
+    return units, embedding
+
+
+def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1] + 32:  # tensors are 32-byte aligned
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return tuple(merged)
+
+
+def window(units: tuple[Unit, ...] | list[Unit], streamed: frozenset[str] | set[str]) -> int:
+    sizes = [u.nbytes for u in units if u.name in streamed]
+    return max((sum(sizes[i : i + AHEAD + 1]) for i in range(len(sizes))), default=0)
+
+
+def plan(gguf: Path, ram: int) -> Plan:
+    """Keep resident what saves the most bytes read within `ram` bytes, the rest streamed.
+
+    Units are taken largest first (a streamed unit also widens the read-ahead window), ties in pass
+    order, so with equal layers the leading layers stay. `ram` 0: everything streams. A `ram` above 0
+    that cannot hold the read-ahead window is an error naming the minimum."""
+    if not sys.platform.startswith("linux"):
+        raise LlamaCppError("--ram needs Linux (it steers the page cache with madvise and fadvise)")
+    units, embedding = layout(gguf)
+    total = sum(u.nbytes for u in units) + embedding[1] - embedding[0]
+    streamed = {u.name for u in units}
+    minimum = window(units, streamed)
+    if 0 < ram < minimum:
+        raise LlamaCppError(
+            f"--ram {format_bytes(ram)} is below what {gguf.name} needs to run streamed: at least "
+            f"{format_bytes(minimum)} (its read-ahead window), or 0 for the least"
+        )
+    for unit in sorted(units, key=lambda u: -u.nbytes):  # sort is stable: ties stay in pass order
+        rest = streamed - {unit.name}
+        kept = sum(u.nbytes for u in units if u.name not in rest)
+        if kept + window(units, rest) <= ram:
+            streamed = rest
+    return Plan(tuple(units), frozenset(streamed), embedding, total)
+
+
+def mapping_base(gguf: Path, before: set[str]) -> int:
+    """The address where llama.cpp's mapping of `gguf` would put the file's byte 0 (it maps from the
+    tensor data's page on), found in /proc/self/maps among the lines not in `before` (the maps read
+    before loading: the same file may be mapped twice)."""
+    inode = gguf.stat().st_ino
+    for line in mapped() - before:
+        fields = line.split()
+        if len(fields) >= 6 and int(fields[4]) == inode:
+            return int(fields[0].split("-")[0], 16) - int(fields[2], 16)
+    raise LlamaCppError(f"llama.cpp did not map {gguf}; it cannot be streamed")
+
+
+def mapped() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return set(maps)
+
+
+def read_bytes() -> int:
+    """Bytes this process has read from storage (page cache hits excluded)."""
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Streamer:
+    """Streams a plan's units through llama.cpp's mapping at `base` (see the module's docstring).
+
+    The runner calls `begin` before and `end` after each `llama_decode`; llama.cpp calls `eval_callback`
+    (a context's `cb_eval`) for each layer's output."""
+
+    def __init__(self, gguf: Path, base: int, plan: Plan) -> None:
+        self.plan = plan
+        self.base = base
+        self.gguf = gguf
+        self.fd = os.open(gguf, os.O_RDONLY)
+        stat = os.fstat(self.fd)
+        self._identity = (stat.st_size, stat.st_mtime_ns)
+        self.streamed = [u for u in plan.units if u.name in plan.streamed]
+        self._by_layer = {u.layer: i for i, u in enumerate(self.streamed) if u.layer is not None}
+        self.passes = 0
+        self._done = 0  # streamed units finished this pass (dropped)
+        self._read = 0  # streamed units read ahead this pass
+        self._cond = threading.Condition()
+        self._closed = False
+        for unit in self.streamed:
+            for span in unit.spans:
+                self._drop(*span)
+        self._drop(*plan.embedding)
+        self.disk_bytes_per_second = self._read_speed()
+        self._reader = threading.Thread(target=self._read_ahead, name="specexec-stream", daemon=True)
+        self._reader.start()
+
+    def _read_speed(self, most: int = 256 * 2**20) -> float:
+        """Bytes per second reading streamed units (up to `most` bytes) as the reader does, from storage;
+        they are dropped again after."""
+        spans, total = [], 0
+        for span in (s for u in self.streamed for s in u.spans):
+            if total >= most:
+                break
+            spans.append(span)
+            total += span[1] - span[0]
+        start = time.perf_counter()
+        for span in spans:
+            self._populate(*span)
+        seconds = time.perf_counter() - start
+        for span in spans:
+            self._drop(*span)
+        return total / max(seconds, 1e-9)
+
+    def begin(self) -> None:
+        stat = os.fstat(self.fd)
+        if (stat.st_size, stat.st_mtime_ns) != self._identity:
+            raise LlamaCppError(f"{self.gguf} changed on disk during the run; load it again")
+
+    def layer_done(self, layer: int) -> None:
+        index = self._by_layer.get(layer)
+        if index is not None:
+            self._finish(index + 1)
+
+    def end(self) -> None:
+        """After a pass: drop what is left of it and the embedding rows it read; the reader starts on the
+        next pass."""
+        self._finish(len(self.streamed))
+        self._drop(*self.plan.embedding)
+        with self._cond:
+            self.passes += 1
+            self._done = self._read = 0
+            self._cond.notify_all()
+
+    def _finish(self, count: int) -> None:
+        with self._cond:
+            first, self._done = self._done, max(self._done, count)
+            self._cond.notify_all()
+        for unit in self.streamed[first:count]:
+            for span in unit.spans:
+                self._drop(*span)
+
+    def _read_ahead(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (
+                    self._read >= len(self.streamed) or self._read > self._done + AHEAD
+                ):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                index, passes = self._read, self.passes
+                self._read += 1
+            unit = self.streamed[index]
+            for span in unit.spans:
+                self._populate(*span)
+            with self._cond:
+                late = self.passes != passes or index < self._done  # compute got there first: dropped
+            if late:
+                for span in unit.spans:
+                    self._drop(*span)
+
+    def _populate(self, start: int, end: int) -> None:
+        os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
+        if _libc.madvise(self.base + first, last - first, MADV_POPULATE_READ) != 0:
+            _libc.madvise(self.base + first, last - first, MADV_WILLNEED)  # kernels before 5.14
+
+    def _drop(self, start: int, end: int) -> None:
+        """Evict the pages wholly inside start..end (a page shared with a neighbour stays)."""
+        first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+        if last > first:
+            _libc.madvise(self.base + first, last - first, MADV_DONTNEED)
+            os.posix_fadvise(self.fd, first, last - first, os.POSIX_FADV_DONTNEED)
+
+    def resident(self, start: int, end: int) -> int:
+        """Bytes of the file's start..end in the page cache (mincore over the mapping)."""
+        first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
+        pages = (last - first) // PAGE
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(self.base + first, last - first, vec) != 0:
+            return 0
+        return sum(b & 1 for b in bytes(vec)) * PAGE
+
+    def residency(self) -> tuple[int, int]:
+        """(bytes of the resident units in RAM, bytes of the streamed units in RAM)."""
+        kept = sum(
+            self.resident(*s) for u in self.plan.units if u.name not in self.plan.streamed for s in u.spans
+        )
+        streamed = sum(self.resident(*s) for u in self.streamed for s in u.spans)
+        return kept, streamed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._reader.join()
+        os.close(self.fd)
