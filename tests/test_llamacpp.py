@@ -508,23 +508,18 @@ SAMPLE_METHODS = {
 
 @functools.cache
 def sampling_pair(folder: str) -> tuple[LlamaCppModel, LlamaCppModel]:
-    import tiny_gguf
-
     paths = [Path(folder) / f"small-{seed}.gguf" for seed in (0, 7)]
     for path, seed, scale in zip(paths, (0, 7), (0.15, 0.5), strict=True):
         if not path.exists():
-            write_small_gguf(tiny_gguf, path, seed, scale)
+            write_small_gguf(path, seed, scale)
     return LlamaCppModel(paths[0], threads=1), LlamaCppModel(paths[1], threads=1)
 
 
-def write_small_gguf(tiny_gguf, path: Path, seed: int, scale: float) -> None:
+def write_small_gguf(path: Path, seed: int, scale: float) -> None:
     """A 10-token vocabulary, spread-out distributions (the target) or sharper ones (the draft)."""
-    saved = (tiny_gguf.VOCAB, tiny_gguf.HIDDEN, tiny_gguf.FFN, tiny_gguf.LAYERS)
-    tiny_gguf.VOCAB, tiny_gguf.HIDDEN, tiny_gguf.FFN, tiny_gguf.LAYERS = V, 32, 64, 1
-    try:
-        write_random_gguf(path, "llama", "f32", seed=seed, logit_scale=scale)
-    finally:
-        tiny_gguf.VOCAB, tiny_gguf.HIDDEN, tiny_gguf.FFN, tiny_gguf.LAYERS = saved
+    write_random_gguf(
+        path, "llama", "f32", seed=seed, logit_scale=scale, vocab=V, hidden=32, ffn=64, layers=1
+    )
 
 
 def exact_joint(target: LlamaCppModel, params: SamplingParams) -> torch.Tensor:

@@ -30,16 +30,20 @@ def write_random_gguf(
     seed: int = 0,
     noise: float = 0.0,
     logit_scale: float = 1.0,
+    vocab: int = VOCAB,
+    hidden: int = HIDDEN,
+    ffn: int = FFN,
+    layers: int = LAYERS,
 ) -> Path:
     """Write a tiny `arch` ("llama" or "qwen2") GGUF with `weights` "f32" or "q8_0".
 
     `noise` > 0 perturbs every weight of the `seed` model by that relative amount: a draft close to,
     but not equal to, the target written with the same seed. `logit_scale` scales the output matrix:
-    below 1, spread-out next-token distributions (for sampling tests).
+    below 1, spread-out next-token distributions (for sampling tests). The sizes default to the module's.
     """
     rng = np.random.default_rng(seed)
     noise_rng = np.random.default_rng(seed + 1000)
-    head_dim = HIDDEN // HEADS
+    head_dim = hidden // HEADS
 
     def tensor(*shape: int, scale: float) -> np.ndarray:
         data = rng.standard_normal(shape).astype(np.float32) * scale
@@ -49,15 +53,15 @@ def write_random_gguf(
 
     writer = GGUFWriter(str(path), arch)
     writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(VOCAB)
+    writer.add_vocab_size(vocab)
     writer.add_tokenizer_model("no_vocab")
     writer.add_file_type(0 if weights == "f32" else 7)  # ALL_F32 / MOSTLY_Q8_0
 
@@ -68,23 +72,23 @@ def write_random_gguf(
             writer.add_tensor(name, data)
 
     # Scales tuned for peaked distributions (greedy margins well above llama.cpp's batch-shape noise).
-    add("token_embd.weight", tensor(VOCAB, HIDDEN, scale=1.0))
-    for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32), matrix=False)
-        add(f"blk.{i}.attn_q.weight", tensor(HEADS * head_dim, HIDDEN, scale=0.3))
-        add(f"blk.{i}.attn_k.weight", tensor(KV_HEADS * head_dim, HIDDEN, scale=0.3))
-        add(f"blk.{i}.attn_v.weight", tensor(KV_HEADS * head_dim, HIDDEN, scale=0.3))
+    add("token_embd.weight", tensor(vocab, hidden, scale=1.0))
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32), matrix=False)
+        add(f"blk.{i}.attn_q.weight", tensor(HEADS * head_dim, hidden, scale=0.3))
+        add(f"blk.{i}.attn_k.weight", tensor(KV_HEADS * head_dim, hidden, scale=0.3))
+        add(f"blk.{i}.attn_v.weight", tensor(KV_HEADS * head_dim, hidden, scale=0.3))
         if arch == "qwen2":
             add(f"blk.{i}.attn_q.bias", tensor(HEADS * head_dim, scale=0.3), matrix=False)
             add(f"blk.{i}.attn_k.bias", tensor(KV_HEADS * head_dim, scale=0.3), matrix=False)
             add(f"blk.{i}.attn_v.bias", tensor(KV_HEADS * head_dim, scale=0.3), matrix=False)
-        add(f"blk.{i}.attn_output.weight", tensor(HIDDEN, HEADS * head_dim, scale=0.3))
-        add(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32), matrix=False)
-        add(f"blk.{i}.ffn_gate.weight", tensor(FFN, HIDDEN, scale=0.3))
-        add(f"blk.{i}.ffn_up.weight", tensor(FFN, HIDDEN, scale=0.3))
-        add(f"blk.{i}.ffn_down.weight", tensor(HIDDEN, FFN, scale=0.3))
-    add("output_norm.weight", np.ones(HIDDEN, dtype=np.float32), matrix=False)
-    add("output.weight", tensor(VOCAB, HIDDEN, scale=logit_scale))
+        add(f"blk.{i}.attn_output.weight", tensor(hidden, HEADS * head_dim, scale=0.3))
+        add(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32), matrix=False)
+        add(f"blk.{i}.ffn_gate.weight", tensor(ffn, hidden, scale=0.3))
+        add(f"blk.{i}.ffn_up.weight", tensor(ffn, hidden, scale=0.3))
+        add(f"blk.{i}.ffn_down.weight", tensor(hidden, ffn, scale=0.3))
+    add("output_norm.weight", np.ones(hidden, dtype=np.float32), matrix=False)
+    add("output.weight", tensor(vocab, hidden, scale=logit_scale))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

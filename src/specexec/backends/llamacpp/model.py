@@ -36,13 +36,7 @@ import torch
 from specexec.backends.base import WeightsMemory
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.head import reduced_head
-from specexec.backends.llamacpp.library import (
-    CPU,
-    MAX_SEQUENCES,
-    LlamaCppError,
-    llama_cpp_library,
-    tensor_name,
-)
+from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 
 if TYPE_CHECKING:
     from specexec.backends.llamacpp.runner import LlamaCppRunner
@@ -112,7 +106,6 @@ class LlamaCppModel:
         self.stream: stream.Streamer | None = None
         if plan is not None and plan.streamed:
             self.stream = stream.Streamer(self.gguf, stream.mapping_base(self.gguf, maps), plan)
-            self.eval_callback = llama_cpp.ggml_backend_sched_eval_callback(self._layer_done)
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
         self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [
@@ -160,14 +153,6 @@ class LlamaCppModel:
             dropped, self._spares = self._spares[:excess], self._spares[excess:]
         for _, old in dropped:
             llama_cpp.llama_free(old)
-
-    def _layer_done(self, tensor: int, ask: bool, user_data: int) -> bool:
-        """llama.cpp's eval callback: asks for each layer's output, then hears it is computed."""
-        name = tensor_name(tensor)
-        if ask:
-            return name.startswith(stream.LAYER_OUTPUT)
-        self.stream.layer_done(int(name[len(stream.LAYER_OUTPUT) :]))
-        return True  # go on computing
 
     def memory(self) -> WeightsMemory | None:
         """What stays in RAM and what streams, when `ram` made part of the weights stream."""

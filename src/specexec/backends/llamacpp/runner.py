@@ -257,7 +257,7 @@ class LlamaCppRunner(SlotRunner):
         params.n_threads = params.n_threads_batch = self.model.threads
         params.no_perf = True
         if self.model.stream is not None:
-            params.cb_eval = self.model.eval_callback  # each layer's end: drop it, read further ahead
+            params.cb_eval = self.model.stream.eval_callback  # each layer's end: drop it, read further ahead
         # Flash attention off: ggml's CPU flash attention sums over cache cells in cell order with
         # float16 rounding, and accepted paths leave cells out of position order (rejected nodes' cells
         # are holes the next tree fills), which moved logits by up to 1% on the test models; it also

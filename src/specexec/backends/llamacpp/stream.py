@@ -32,12 +32,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specexec.backends.llamacpp.library import LlamaCppError
+from specexec.backends.llamacpp.library import LlamaCppError, tensor_name
 from specexec.sizes import format_bytes
 
 PAGE = mmap.PAGESIZE
 AHEAD = 2  # streamed units read ahead of the one computing: reads overlap compute, RAM stays bounded
-MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # <asm-generic/mman-common.h>
+MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 1, 3, 4, 22  # <asm-generic/mman-common.h>
 EMBEDDING = "token_embd.weight"
 LAYER_OUTPUT = b"l_out-"  # llama.cpp names each layer's output "l_out-<layer>" (llama-graph.cpp, `cb`)
 
@@ -185,8 +185,11 @@ def read_bytes() -> int:
 class Streamer:
     """Streams a plan's units through llama.cpp's mapping at `base` (see the module's docstring).
 
-    The runner calls `begin` before and `end` after each `llama_decode`; llama.cpp calls `eval_callback`
-    (a context's `cb_eval`) for each layer's output."""
+    The runner calls `begin` before and `end` after each `llama_decode`; llama.cpp's eval callback calls
+    `layer_done` at each layer's output, which drops the layer at once (two system calls), unless the
+    reader is reading it right then: a read in flight would land after the drop and stay, so the reader
+    drops it when its read is over. Units are counted across passes (unit i of pass p is p * n + i), so
+    the reader runs on into the next pass's first units while the draft works."""
 
     def __init__(self, gguf: Path, base: int, plan: Plan) -> None:
         self.plan = plan
@@ -197,17 +200,26 @@ class Streamer:
         self._identity = (stat.st_size, stat.st_mtime_ns)
         self.streamed = [u for u in plan.units if u.name in plan.streamed]
         self._by_layer = {u.layer: i for i, u in enumerate(self.streamed) if u.layer is not None}
-        self.passes = 0
-        self._done = 0  # streamed units finished this pass (dropped)
-        self._read = 0  # streamed units read ahead this pass
+        self.passes = 0  # passes ended
+        self._done = 0  # units finished by compute, counted across passes
+        self._read = 0  # units read ahead
+        self._reading: int | None = None  # the unit the reader is reading
+        self._drop_after_read = False  # compute finished it meanwhile: the reader drops it
         self._cond = threading.Condition()
         self._closed = False
+        self._idle = False  # the reader has read as far ahead as it may
+        # No readahead on page faults: the kernel's window (read_ahead_kb, 8 MiB on some disks) would read
+        # into the next unit behind the reader's back, and land after that unit's drop. The reader asks
+        # for exactly the units it reads.
+        spans = [s for u in plan.units for s in u.spans] + ([plan.embedding] if plan.embedding[1] else [])
+        first, last = min(s for s, _ in spans) // PAGE * PAGE, -(-max(e for _, e in spans) // PAGE) * PAGE
+        _libc.madvise(base + first, last - first, MADV_RANDOM)
         for unit in self.streamed:
-            for span in unit.spans:
-                self._drop(*span)
+            self._drop_unit(unit)
         self._drop(*plan.embedding)
         self.disk_bytes_per_second = self._read_speed()
-        self._reader = threading.Thread(target=self._read_ahead, name="specexec-stream", daemon=True)
+        self.eval_callback = _eval_callback(self)  # a context's `cb_eval`
+        self._reader = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
         self._reader.start()
 
     def _read_speed(self, most: int = 256 * 2**20) -> float:
@@ -235,45 +247,59 @@ class Streamer:
     def layer_done(self, layer: int) -> None:
         index = self._by_layer.get(layer)
         if index is not None:
-            self._finish(index + 1)
+            self._advance(self.passes * len(self.streamed) + index + 1)
 
     def end(self) -> None:
-        """After a pass: drop what is left of it and the embedding rows it read; the reader starts on the
-        next pass."""
-        self._finish(len(self.streamed))
+        """After a pass: every unit of it is finished (the head has no layer output of its own), and the
+        embedding rows it gathered are dropped."""
+        self.passes += 1
+        self._advance(self.passes * len(self.streamed))
         self._drop(*self.plan.embedding)
-        with self._cond:
-            self.passes += 1
-            self._done = self._read = 0
-            self._cond.notify_all()
 
-    def _finish(self, count: int) -> None:
+    def settle(self) -> None:
+        """Wait until the reader has read as far ahead as it may (for measurements)."""
         with self._cond:
-            first, self._done = self._done, max(self._done, count)
-            self._cond.notify_all()
-        for unit in self.streamed[first:count]:
-            for span in unit.spans:
-                self._drop(*span)
+            self._cond.wait_for(lambda: self._idle or self._closed)
 
-    def _read_ahead(self) -> None:
+    def _advance(self, done: int) -> None:
+        """Compute finished every unit before `done`: drop those it had not, but the one being read."""
+        n = len(self.streamed)
+        with self._cond:
+            first, self._done = self._done, max(self._done, done)
+            finished = range(first, self._done)
+            if self._reading in finished:
+                self._drop_after_read = True
+            finished = [g for g in finished if g != self._reading]
+            self._idle = False
+            self._cond.notify_all()
+        for g in finished:
+            self._drop_unit(self.streamed[g % n])
+
+    def _work(self) -> None:
+        n = len(self.streamed)
         while True:
             with self._cond:
-                while not self._closed and (
-                    self._read >= len(self.streamed) or self._read > self._done + AHEAD
-                ):
+                # A unit compute got to first is not worth reading now; the next pass reads it.
+                self._read = max(self._read, self._done)
+                while not self._closed and self._read > self._done + AHEAD:
+                    self._idle = True
+                    self._cond.notify_all()
                     self._cond.wait()
+                    self._read = max(self._read, self._done)
                 if self._closed:
                     return
-                index, passes = self._read, self.passes
-                self._read += 1
-            unit = self.streamed[index]
+                self._reading, self._read = self._read, self._read + 1
+            unit = self.streamed[self._reading % n]
             for span in unit.spans:
                 self._populate(*span)
             with self._cond:
-                late = self.passes != passes or index < self._done  # compute got there first: dropped
+                late, self._drop_after_read, self._reading = self._drop_after_read, False, None
             if late:
-                for span in unit.spans:
-                    self._drop(*span)
+                self._drop_unit(unit)
+
+    def _drop_unit(self, unit: Unit) -> None:
+        for span in unit.spans:
+            self._drop(*span)
 
     def _populate(self, start: int, end: int) -> None:
         os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
@@ -311,3 +337,18 @@ class Streamer:
             self._cond.notify_all()
         self._reader.join()
         os.close(self.fd)
+
+
+def _eval_callback(streamer: Streamer):
+    """llama.cpp's eval callback: asks for each layer's output, then hears it is computed. (It holds the
+    streamer, not the model, so the model is freed when its last user lets go.)"""
+    import llama_cpp
+
+    def on_eval(tensor: int, ask: bool, user_data: int) -> bool:
+        name = tensor_name(tensor)
+        if ask:
+            return name.startswith(LAYER_OUTPUT)
+        streamer.layer_done(int(name[len(LAYER_OUTPUT) :]))
+        return True  # go on computing
+
+    return llama_cpp.ggml_backend_sched_eval_callback(on_eval)

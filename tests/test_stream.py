@@ -1,0 +1,237 @@
+"""Streaming a GGUF target from disk (`--ram`): the plan, bytes read per pass, residency, exactness, errors.
+
+The models are tiny random GGUFs written here (8 qwen2 layers of about 4 MB in float32, so each layer is
+many pages) and synced to storage, so that evicting them really sends the next pass to the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_llamacpp import FLAT, METHODS, tokenized_gguf  # noqa: F401 (a fixture)
+from tiny_gguf import write_random_gguf
+
+import specexec
+from specexec.sizes import format_bytes
+
+pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs specexec[llamacpp]")
+
+from specexec.backends.llamacpp import stream  # noqa: E402
+from specexec.backends.llamacpp.library import LlamaCppError  # noqa: E402
+from specexec.backends.llamacpp.model import LlamaCppModel  # noqa: E402
+
+LAYERS = 8
+PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
+MiB = 2**20
+
+
+def on_storage(path: Path) -> bool:
+    """Whether `path` is on a file system whose pages can be evicted and read again (not tmpfs)."""
+    best, kind = "", ""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            point, fs = line.split()[1:3]
+            if str(path.resolve()).startswith(point) and len(point) > len(best):
+                best, kind = point, fs
+    return kind not in ("tmpfs", "ramfs")
+
+
+def write_streamable(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
+    write_random_gguf(path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # dirty pages cannot be evicted: the tests need them on storage
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("stream")
+    if not on_storage(folder):
+        pytest.skip("the temporary folder is in memory (tmpfs): nothing can be streamed from it")
+    write_streamable(folder / "perturbed.gguf", noise=0.01)
+    return write_streamable(folder / "target.gguf")
+
+
+def total_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
+def half(path: Path) -> int:
+    """A RAM size that keeps some layers resident and streams the others."""
+    return stream.plan(path, 0).window_bytes + total_bytes(path) // 3
+
+
+# -- the plan ---------------------------------------------------------------------------------------------
+
+
+def test_the_plan_covers_every_tensor_once_and_fits_its_ram(gguf: Path) -> None:
+    units, embedding = stream.layout(gguf)
+    assert [u.name for u in units] == [f"blk.{i}" for i in range(LAYERS)] + ["head"]
+    spans = sorted([s for u in units for s in u.spans] + [embedding])
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no byte in two units
+    # Every tensor's bytes, up to the 32-byte alignment between tensors merged into one span.
+    assert 0 <= sum(e - s for s, e in spans) - total_bytes(gguf) < 32 * 20 * LAYERS
+
+    everything = stream.plan(gguf, 0)
+    assert everything.streamed == {u.name for u in units} and everything.resident_bytes == 0
+    assert not stream.plan(gguf, total_bytes(gguf)).streamed
+    ram = half(gguf)
+    part = stream.plan(gguf, ram)
+    assert part.resident_bytes > 0 and part.streamed and part.ram_bytes <= ram
+    resident = [u.name for u in units if u.name not in part.streamed]
+    assert resident == ["blk.0", "blk.1", "blk.2", "head"][: len(resident) - 1] + ["head"], resident
+
+
+def test_a_size_below_the_minimum_is_a_one_line_error_naming_it(gguf: Path) -> None:
+    minimum = stream.plan(gguf, 0).window_bytes
+    with pytest.raises(LlamaCppError) as error:
+        stream.plan(gguf, minimum - 1)
+    message = str(error.value)
+    assert "\n" not in message and f"at least {minimum / MiB:.1f} MiB" in message, message
+    stream.plan(gguf, minimum)  # the minimum itself runs
+
+
+# -- exactness --------------------------------------------------------------------------------------------
+
+
+def logits_of(model: LlamaCppModel) -> torch.Tensor:
+    """Logits of a prompt, a 16-token block and eight one-token passes: every shape a generation has."""
+    runner = model.make_runner(64)
+    rows = [runner.extend(torch.tensor(PROMPT), logits_to_keep=len(PROMPT))]
+    rows.append(runner.extend(torch.arange(20, 36), logits_to_keep=16))
+    rows += [runner.extend(torch.tensor([t])) for t in range(40, 48)]
+    return torch.cat(rows)
+
+
+def test_streamed_logits_equal_resident_logits_bit_for_bit(gguf: Path) -> None:
+    resident = logits_of(LlamaCppModel(gguf, threads=2))
+    for ram in (0, half(gguf)):
+        streamed = LlamaCppModel(gguf, threads=2, ram=ram)
+        assert streamed.stream is not None
+        assert torch.equal(logits_of(streamed), resident), ram
+
+
+def test_every_method_reproduces_greedy_decoding_streamed(gguf: Path) -> None:
+    target = LlamaCppModel(gguf, threads=1, ram=0)
+    draft = LlamaCppModel(gguf.with_name("perturbed.gguf"), threads=1)
+    resident = LlamaCppModel(gguf, threads=1)
+    reference = specexec.generate(resident, None, PROMPT, method="ar", max_new_tokens=24).tokens
+    assert specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=24).tokens == reference
+    for args in METHODS:
+        cost = {"cost_model": FLAT} if args["budget"] == "auto" else {}
+        out = specexec.generate(target, draft, PROMPT, max_new_tokens=24, **args, **cost)
+        assert out.tokens == reference, args
+        assert sum(out.stats.accepted) > 0, args  # the draft was used
+
+
+# -- what is read, what stays -----------------------------------------------------------------------------
+
+
+def read_per_pass(model: LlamaCppModel, passes: int = 10) -> float:
+    runner = model.make_runner(64)
+    runner.extend(torch.tensor(PROMPT))
+    if model.stream is not None:
+        model.stream.settle()
+    before = stream.read_bytes()
+    for t in range(passes):
+        runner.extend(torch.tensor([t + 20]))
+    if model.stream is not None:
+        model.stream.settle()
+    return (stream.read_bytes() - before) / passes
+
+
+def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path) -> None:
+    for ram in (0, half(gguf)):
+        model = LlamaCppModel(gguf, threads=2, ram=ram)
+        streamed = model.stream.plan.streamed_bytes
+        assert read_per_pass(model) == pytest.approx(streamed, rel=0.1), ram
+    everything = LlamaCppModel(gguf, threads=2, ram=2 * total_bytes(gguf))
+    assert everything.stream is None and everything.memory() is None
+    assert read_per_pass(everything) < 0.01 * total_bytes(gguf)
+
+
+def test_the_resident_part_stays_and_streamed_pages_do_not_pile_up(gguf: Path) -> None:
+    model = LlamaCppModel(gguf, threads=2, ram=half(gguf))
+    streamer, plan = model.stream, model.stream.plan
+    # Pages shared by neighbouring units, and the kernel reading around a page fault (128 KiB by default).
+    slack = 2 * stream.PAGE * len(plan.units) + 256 * 1024
+    peak = [0]
+    layer_done = streamer.layer_done
+
+    def watched(layer: int) -> None:  # the streamed pages in RAM at each layer's end, before its drop
+        peak[0] = max(peak[0], streamer.residency()[1])
+        layer_done(layer)
+
+    streamer.layer_done = watched
+    runner = model.make_runner(64)
+    runner.extend(torch.tensor(PROMPT))
+    for t in range(20):
+        runner.extend(torch.arange(t, t + (16 if t % 4 == 0 else 1)))
+        streamer.settle()
+        kept, streamed = streamer.residency()
+        assert kept >= plan.resident_bytes - slack, t
+        assert streamed <= plan.window_bytes + slack, t
+    assert 0 < peak[0] <= plan.window_bytes + slack
+    memory = model.memory()
+    assert memory.resident == plan.resident_bytes and memory.in_ram <= plan.ram_bytes + slack
+    assert memory.disk_bytes_per_second > 0
+
+
+# -- bad input, and the model file ------------------------------------------------------------------------
+
+
+def test_a_gguf_changed_on_disk_is_an_error_and_streaming_never_writes_it(tmp_path: Path) -> None:
+    if not on_storage(tmp_path):
+        pytest.skip("the temporary folder is in memory (tmpfs)")
+    path = write_streamable(tmp_path / "m.gguf")
+    digest, mtime = hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns
+    model = LlamaCppModel(path, threads=1, ram=0)
+    specexec.generate(model, model, PROMPT, method="specexec", budget=8, max_new_tokens=8)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest and path.stat().st_mtime_ns == mtime
+    runner = model.make_runner(64)
+    runner.extend(torch.tensor(PROMPT))
+    with open(path, "r+b") as f:  # another program rewrites a weight in place
+        f.seek(-4096, os.SEEK_END)
+        f.write(bytes(16))
+    with pytest.raises(LlamaCppError, match="changed on disk during the run"):
+        runner.extend(torch.tensor([5]))
+
+
+def test_ram_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:  # noqa: F811
+    from specexec.cli import main
+
+    target = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--threads", "1"]
+    assert main(["generate", *target, "--ram", "1", "--method", "ar", "ab a"]) == 1
+    with pytest.raises(SystemExit) as usage:
+        main(["generate", *target, "--ram", "lots", "ab a"])
+    assert usage.value.code == 2
+    assert main(["generate", *target, "--ram", "0", "--backend", "torch", "ab a"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    minimum = stream.plan(tokenized_gguf, 0).window_bytes
+    assert lines[0] == (
+        f"specexec: error: --ram 1 B is below what tiny.gguf needs to run streamed: at least "
+        f"{format_bytes(minimum)} (its read-ahead window), or 0 for the least"
+    )
+    assert lines[1].endswith("cannot read 'lots' as a memory size; write it like 20GiB, 20GB or 512MiB")
+    assert (
+        lines[2] == "specexec: error: --ram is for the llama.cpp backend (a GGUF target streamed from disk)"
+    )
+    assert len(lines) == 3
+
+
+def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:  # noqa: F811
+    from specexec.cli import main
+
+    args = ["generate", "--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--threads", "1"]
+    assert (
+        main([*args, "--ram", "0", "--method", "specexec", "--budget", "4", "--max-new-tokens", "4", "ab"])
+        == 0
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "weights 0 MiB resident" in line and "MiB streamed per pass" in line and "GB/s" in line, line
