@@ -17,6 +17,7 @@ from tiny_gguf import write_random_gguf
 
 import specexec
 from specexec.sizes import format_bytes
+from specexec.storage import read_bytes
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs specexec[llamacpp]")
 
@@ -138,12 +139,12 @@ def read_per_pass(model: LlamaCppModel, passes: int = 10) -> float:
     runner.extend(torch.tensor(PROMPT))
     if model.stream is not None:
         model.stream.settle()
-    before = stream.read_bytes()
+    before = read_bytes()
     for t in range(passes):
         runner.extend(torch.tensor([t + 20]))
     if model.stream is not None:
         model.stream.settle()
-    return (stream.read_bytes() - before) / passes
+    return (read_bytes() - before) / passes
 
 
 def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path) -> None:
@@ -235,3 +236,26 @@ def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:
     )
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "weights 0 MiB resident" in line and "MiB streamed per pass" in line and "GB/s" in line, line
+
+
+def test_bench_streams_every_llamacpp_method_and_records_what_it_read(tokenized_gguf: Path) -> None:  # noqa: F811
+    import json
+
+    from specexec.cli import main
+
+    prompts = tokenized_gguf.parent / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ab a"}) + "\n")
+    out = tokenized_gguf.parent / "bench"
+    models = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--ram", "0"]
+    run = ["--prompts", str(prompts), "--max-new-tokens", "6", "--warmup-tokens", "2", "--threads", "1"]
+    methods = ["--methods", "ar,specexec,llamacpp,llamacpp-spec", "--budgets", "4"]
+    assert main(["bench", *models, *run, *methods, "--llamacpp-spec-budgets", "3", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = json.loads((out / "results.json").read_text())
+    assert [row["label"] for row in rows] == ["ar", "specexec@4", "llamacpp", "llamacpp-spec@3"]
+    assert all(row["identical_to_ar"] for row in rows)
+    memory = rows[0]["machine"]["weights_memory"]
+    assert memory["resident"] == 0 and memory["streamed"] > 0 and memory["disk_bytes_per_second"] > 0
+    assert all(row["read_mib_per_target_pass"] is not None for row in rows)
+    assert rows[2]["hf_settings"]["evicted_before_every_pass"]
+    assert "Target streamed from disk (--ram)" in (out / "results.md").read_text()

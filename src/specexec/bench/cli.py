@@ -240,6 +240,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     last = list(pairs.values())[-1]  # several levels: the report names the last one's backends
     machine = machine_info(
         dtype=as_model(main_pair.target).weights,
+        memory=as_model(main_pair.target).memory(),
         simulated_offload=last.simulated,
         command=command,
         target=args.target,
@@ -296,13 +297,14 @@ def _llamacpp_runners(
     if "llamacpp" in args.methods:
         from specexec.bench.llamacpp import LlamaCpp
 
-        llamacpp = LlamaCpp(gguf_file(args.target), longest_prompt + args.max_new_tokens + 8, args.threads)
+        context = longest_prompt + args.max_new_tokens + 8
+        llamacpp = LlamaCpp(gguf_file(args.target), context, args.threads, ram=args.ram)
     if "llamacpp-spec" in args.methods:
         from specexec.bench.llamacpp import LlamaCppSpeculative
 
         context = longest_prompt + args.max_new_tokens + max(args.llamacpp_spec_budgets) + 8
         llamacpp_spec = LlamaCppSpeculative(
-            gguf_file(args.target), gguf_file(args.draft), context, args.threads
+            gguf_file(args.target), gguf_file(args.draft), context, args.threads, ram=args.ram
         )
     return llamacpp, llamacpp_spec
 

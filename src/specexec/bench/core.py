@@ -56,6 +56,7 @@ from specexec.learnt import LearntPolicies
 from specexec.models import eos_token_ids
 from specexec.prompts import Prompt
 from specexec.sampling import SamplingParams
+from specexec.storage import read_bytes
 from specexec.timing import clock
 
 DEFAULT_BUDGETS = (16, 64, 256, 1024, "auto")
@@ -335,6 +336,13 @@ class _ConfigRunner:
     learnt: LearntPolicies = field(default_factory=LearntPolicies)
 
     def __call__(self, config: BenchConfig, prompt: Prompt, tokens: int, seed: int) -> dict:
+        """The run's record, with the bytes it read from storage (a target streamed with --ram)."""
+        before = read_bytes()
+        record = self._run(config, prompt, tokens, seed)
+        record["storage_read_bytes"] = read_bytes() - before
+        return record
+
+    def _run(self, config: BenchConfig, prompt: Prompt, tokens: int, seed: int) -> dict:
         if config.method == PLAIN:
             return self.external[PLAIN].run(prompt.input_ids, tokens, seed, self.eos, **self.sampling)
         if config.method == SPECULATIVE:

@@ -8,11 +8,20 @@
   the draft GGUF proposes `budget` greedy tokens, the target evaluates them in one batch and samples
   each position with llama.cpp's own sampler, keeping the draft tokens up to the first mismatch. Prefill
   (target and draft, the prompt minus its last token) is timed apart, as for the engine.
+
+With `ram` (the bench's --ram), both run the target as llama.cpp would in that much memory, repacking off
+(repacked weights are anonymous memory, which cannot be streamed):
+- `llamacpp`: plain llama.cpp when its model does not fit, at its best: the page cache's LRU evicts each
+  page before the next pass needs it again, so its whole mapping is evicted before every pass (the
+  eviction's own time is not counted);
+- `llamacpp-spec`: its target streamed by `specexec.backends.llamacpp.stream`, as our own methods' is.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +40,9 @@ SPECULATIVE = "llamacpp-spec"  # the bench method: llama.cpp's own speculative d
 class LlamaCpp:
     """One loaded GGUF model, decoding with `threads` threads (default: torch's thread count)."""
 
-    def __init__(self, gguf: str | os.PathLike, context: int, threads: int | None = None) -> None:
+    def __init__(
+        self, gguf: str | os.PathLike, context: int, threads: int | None = None, ram: int | None = None
+    ) -> None:
         from specexec.bench.errors import BenchError
 
         try:
@@ -40,13 +51,16 @@ class LlamaCpp:
             raise BenchError(f"method 'llamacpp' needs llama-cpp-python: {INSTALL_HINT}") from None
         self.gguf = Path(gguf)
         self.threads = threads or torch.get_num_threads()
-        self.llm = llama_cpp.Llama(
-            model_path=str(self.gguf),
-            n_ctx=context,
-            n_threads=self.threads,
-            n_threads_batch=self.threads,
-            verbose=False,
-        )
+        with _unrepacked(self.gguf, enabled=ram is not None) as mapping:
+            self.llm = llama_cpp.Llama(
+                model_path=str(self.gguf),
+                n_ctx=context,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                verbose=False,
+            )
+        short = ram is not None and ram < self.gguf.stat().st_size  # else it would all stay in RAM
+        self.evict = _evictor(self.gguf, mapping()) if short else None
         self.version = llama_cpp.__version__
         self.vocab = self.llm.n_vocab()
         self._logits_of_last = lambda: llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
@@ -66,6 +80,11 @@ class LlamaCpp:
         sampling = SamplingParams(temperature, top_k, top_p)
         generator = torch.Generator().manual_seed(seed)
         llm.reset()
+        evicting = 0.0  # seconds spent evicting, not counted
+        if self.evict is not None:
+            evicting -= clock(CPU)
+            self.evict()
+            evicting += clock(CPU)
         start = clock(CPU)
         if len(input_ids) > 1:
             llm.eval(input_ids[:-1])
@@ -73,6 +92,10 @@ class LlamaCpp:
         tokens: list[int] = []
         step_input = input_ids[-1]
         while len(tokens) < max_new_tokens:
+            if self.evict is not None:
+                evicting -= clock(CPU)
+                self.evict()
+                evicting += clock(CPU)
             llm.eval([step_input])
             logits = torch.from_numpy(
                 np.ctypeslib.as_array(self._logits_of_last(), shape=(self.vocab,))
@@ -85,8 +108,10 @@ class LlamaCpp:
             if token in eos:
                 break
             step_input = token
-        wall = clock(CPU) - start
+        wall = clock(CPU) - start - evicting
         settings = {"gguf": self.gguf.name, "threads": self.threads, "llama_cpp_python": self.version}
+        if self.evict is not None:
+            settings["evicted_before_every_pass"] = True
         # llama.cpp's forwards and its sampling are inseparable here: all of decode is target time.
         record = _record(input_ids, tokens, eos, prefill, wall, len(tokens), 0, 0.0, settings)
         return {**record, "tree_sizes": [0] * len(tokens), "tree_depths": [0] * len(tokens)}
@@ -96,7 +121,12 @@ class LlamaCppSpeculative:
     """llama-cpp-python's speculative decoding: `target` verifies the greedy drafts of `draft` (GGUFs)."""
 
     def __init__(
-        self, target: str | os.PathLike, draft: str | os.PathLike, context: int, threads: int | None = None
+        self,
+        target: str | os.PathLike,
+        draft: str | os.PathLike,
+        context: int,
+        threads: int | None = None,
+        ram: int | None = None,
     ) -> None:
         from specexec.bench.errors import BenchError
 
@@ -110,14 +140,16 @@ class LlamaCppSpeculative:
             verbose=False,
         )  # fmt: skip
         self.drafter = _GreedyDraft(draft_llm, lambda: llama_cpp.llama_get_logits_ith(draft_llm.ctx, -1))
-        self.llm = llama_cpp.Llama(
-            model_path=str(target),
-            n_ctx=context,
-            n_threads=self.threads,
-            n_threads_batch=self.threads,
-            draft_model=self.drafter,
-            verbose=False,
-        )
+        with _unrepacked(Path(target), enabled=ram is not None, ram=ram) as streamer:
+            self.llm = llama_cpp.Llama(
+                model_path=str(target),
+                n_ctx=context,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                draft_model=self.drafter,
+                verbose=False,
+            )
+        self.streamer = streamer()
         self.names = (Path(target).name, Path(draft).name)
         self.version = llama_cpp.__version__
         self.target_calls = 0
@@ -125,7 +157,11 @@ class LlamaCppSpeculative:
 
         def counted(tokens) -> None:  # each eval during generation is one verification batch
             self.target_calls += 1
+            if self.streamer is not None:
+                self.streamer.begin()
             evaluate(tokens)
+            if self.streamer is not None:
+                self.streamer.end()
 
         self.llm.eval = counted
 
@@ -243,3 +279,71 @@ class _GreedyDraft:
         self.calls += self.length
         self.seconds += clock(CPU) - start
         return np.array(drafted, dtype=np.intc)
+
+
+@contextmanager
+def _unrepacked(gguf: Path, enabled: bool, ram: int | None = None):
+    """Around a `Llama(...)` of `gguf`: with `enabled`, its model loads with repacking off; yields a
+    function returning what came of it: the mapping's base address (`ram` None), or the `Streamer` of
+    the target streamed within `ram` bytes (None if it all fits). `Llama` reads llama.cpp's default
+    parameters before it loads the model: its context gets an eval callback that reaches the streamer
+    once there is one."""
+    from specexec.backends.llamacpp import stream
+
+    if not enabled:
+        yield lambda: None
+        return
+    import llama_cpp.llama_cpp as api
+
+    plan = stream.plan(gguf, ram) if ram is not None else None
+    model_defaults, context_defaults = api.llama_model_default_params, api.llama_context_default_params
+    before = stream.mapped()
+    later = _Later()
+    callback = stream.eval_callback(later)
+
+    def model_params():
+        params = model_defaults()
+        params.use_extra_bufts = False
+        return params
+
+    def context_params():
+        params = context_defaults()
+        if plan is not None and plan.streamed:
+            params.cb_eval = callback
+        return params
+
+    made: dict = {}
+    api.llama_model_default_params, api.llama_context_default_params = model_params, context_params
+    try:
+        yield lambda: made.get("streamer") if ram is not None else made.get("base")
+    finally:
+        api.llama_model_default_params, api.llama_context_default_params = model_defaults, context_defaults
+    made["base"] = stream.mapping_base(gguf, before)
+    if plan is not None and plan.streamed:
+        made["streamer"] = later.streamer = stream.Streamer(gguf, made["base"], plan)
+        made["streamer"].eval_callback = callback  # kept alive with the streamer
+
+
+class _Later:
+    """Stands for a streamer the eval callback needs before it exists."""
+
+    streamer = None
+
+    def layer_done(self, layer: int) -> None:
+        if self.streamer is not None:
+            self.streamer.layer_done(layer)
+
+
+def _evictor(gguf: Path, base: int) -> Callable[[], None]:
+    """A function that evicts every page of llama.cpp's mapping of `gguf` (at `base`) from RAM."""
+    from specexec.backends.llamacpp import stream
+
+    units, embedding = stream.layout(gguf)
+    spans = [span for unit in units for span in unit.spans] + [embedding]
+    fd = os.open(gguf, os.O_RDONLY)
+
+    def evict() -> None:
+        for start, end in spans:
+            stream.drop(base, fd, start, end)
+
+    return evict

@@ -24,6 +24,7 @@ Metric definitions (per configuration, summed over prompts and repeats, warm-up 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 from specexec.bench.methods import BUDGET_METHODS
 
 if TYPE_CHECKING:
+    from specexec.backends.base import WeightsMemory
     from specexec.bench.core import BenchResult
 
 _SUMS = (
@@ -128,6 +130,10 @@ def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
     accepted = [x for r in group for x in r["accepted"] or []]
     row["mean_accepted"] = _mean(accepted) if all(r["accepted"] is not None for r in group) else None
     row["stopped_at_eos"] = sum(r["finish_reason"] == "stop" for r in group)
+    # Storage read per target pass, the prefill's pass counted (records older than --ram have no count).
+    read = [r.get("storage_read_bytes") for r in group]
+    passes = row["target_calls"] + len(group)
+    row["read_mib_per_target_pass"] = sum(read) / passes / 2**20 if None not in read else None
     row["prefill_timing"] = first["prefill_timing"]
     row["hf_settings"] = first.get("hf_settings")
     row.update(_identity(group, reference))
@@ -203,6 +209,7 @@ def machine_info(
     simulated_offload: str | None = None,
     draft_quant: str | None = None,
     backend: str | None = None,
+    memory: WeightsMemory | None = None,
 ) -> dict:
     """Where and how the numbers were measured (`simulated_offload` labels simulated target timings)."""
     import torch
@@ -234,6 +241,8 @@ def machine_info(
         "simulated_offload": simulated_offload,
         "draft_quant": draft_quant,
         "seed": seed,
+        # --ram: the target's weights in RAM and streamed per pass, the disk's speed (measured at load)
+        "weights_memory": dataclasses.asdict(memory) if memory is not None else None,
     }
 
 
@@ -315,6 +324,21 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
     gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
     if machine.get("simulated_offload"):
         lines += ["", f"**SIMULATED target timings** ({machine['simulated_offload']})."]
+    if machine.get("weights_memory"):
+        memory = machine["weights_memory"]
+        reads = ", ".join(
+            f"{row['label']} {row['read_mib_per_target_pass']:.0f}"
+            for row in rows
+            if row.get("read_mib_per_target_pass") is not None
+        )
+        lines += [
+            "",
+            f"Target streamed from disk (--ram): {memory['resident'] / 2**20:.0f} MiB resident, "
+            f"{memory['streamed'] / 2**20:.0f} MiB streamed per pass, read-ahead window "
+            f"{memory['window'] / 2**20:.0f} MiB, {memory['in_ram'] / 2**20:.0f} MiB in RAM at the end; disk "
+            f"{memory['disk_bytes_per_second'] / 1e9:.2f} GB/s (sequential, measured at load). MiB read from "
+            f"storage per target pass: {reads}.",
+        ]
     lines += [
         "",
         f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('cpu_instruction_sets')}, "

@@ -173,13 +173,13 @@ def mapped() -> set[str]:
         return set(maps)
 
 
-def read_bytes() -> int:
-    """Bytes this process has read from storage (page cache hits excluded)."""
-    with open("/proc/self/io") as io:
-        for line in io:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
+def drop(base: int, fd: int, start: int, end: int) -> None:
+    """Evict the file's pages wholly inside start..end from RAM (a page shared with a neighbour stays):
+    unmap them from the mapping at `base`, then drop them from the page cache."""
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    if last > first:
+        _libc.madvise(base + first, last - first, MADV_DONTNEED)
+        os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_DONTNEED)
 
 
 class Streamer:
@@ -218,7 +218,7 @@ class Streamer:
             self._drop_unit(unit)
         self._drop(*plan.embedding)
         self.disk_bytes_per_second = self._read_speed()
-        self.eval_callback = _eval_callback(self)  # a context's `cb_eval`
+        self.eval_callback = eval_callback(self)  # a context's `cb_eval`
         self._reader = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
         self._reader.start()
 
@@ -308,11 +308,7 @@ class Streamer:
             _libc.madvise(self.base + first, last - first, MADV_WILLNEED)  # kernels before 5.14
 
     def _drop(self, start: int, end: int) -> None:
-        """Evict the pages wholly inside start..end (a page shared with a neighbour stays)."""
-        first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-        if last > first:
-            _libc.madvise(self.base + first, last - first, MADV_DONTNEED)
-            os.posix_fadvise(self.fd, first, last - first, os.POSIX_FADV_DONTNEED)
+        drop(self.base, self.fd, start, end)
 
     def resident(self, start: int, end: int) -> int:
         """Bytes of the file's start..end in the page cache (mincore over the mapping)."""
@@ -339,9 +335,10 @@ class Streamer:
         os.close(self.fd)
 
 
-def _eval_callback(streamer: Streamer):
-    """llama.cpp's eval callback: asks for each layer's output, then hears it is computed. (It holds the
-    streamer, not the model, so the model is freed when its last user lets go.)"""
+def eval_callback(streamer: Streamer):
+    """llama.cpp's eval callback (a context's `cb_eval`) telling `streamer` (anything with `layer_done`)
+    of each layer's output. It holds the streamer, not the model, so the model is freed when its last
+    user lets go."""
     import llama_cpp
 
     def on_eval(tensor: int, ask: bool, user_data: int) -> bool:
