@@ -95,7 +95,7 @@ def test_load_pair_loads_each_model_as_the_spec_asks(loaded) -> None:
     assert target == {
         "source": "t", "dtype": specexec.models.default_dtype(), "quant": "int8", "backend": "torch",
         "threads": None, "offload": {"ring_size": 3, "gpu_memory": "2GiB", "codec": None},
-        "simulate_offload_gbps": None,
+        "simulate_offload_gbps": None, "ram": None,
     }  # fmt: skip
     assert (pair.target.source, pair.draft.source) == ("t", "d.gguf")
     assert (pair.target_backend, pair.draft_backend) == ("torch", "llamacpp")
@@ -116,6 +116,7 @@ def test_load_pair_without_a_draft_and_with_a_fixed_draft_vocab(loaded) -> None:
             "backend": "llamacpp",
             "threads": None,
             "simulate_offload_gbps": None,
+            "ram": None,
         }
     ]
     loaded.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,10 @@ def on_storage(path: Path) -> bool:
 
 def write_streamable(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
     write_random_gguf(path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS)
+    return synced(path)
+
+
+def synced(path: Path) -> Path:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())  # dirty pages cannot be evicted: the tests need them on storage
     return path
@@ -116,13 +121,15 @@ def test_streamed_logits_equal_resident_logits_bit_for_bit(gguf: Path) -> None:
         streamed = LlamaCppModel(gguf, threads=2, ram=ram)
         assert streamed.stream is not None
         assert torch.equal(logits_of(streamed), resident), ram
+        del streamed  # one model of a file at a time: another's mapping would hold its pages in RAM
 
 
 def test_every_method_reproduces_greedy_decoding_streamed(gguf: Path) -> None:
-    target = LlamaCppModel(gguf, threads=1, ram=0)
-    draft = LlamaCppModel(gguf.with_name("perturbed.gguf"), threads=1)
     resident = LlamaCppModel(gguf, threads=1)
     reference = specexec.generate(resident, None, PROMPT, method="ar", max_new_tokens=24).tokens
+    del resident
+    target = LlamaCppModel(gguf, threads=1, ram=0)
+    draft = LlamaCppModel(gguf.with_name("perturbed.gguf"), threads=1)
     assert specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=24).tokens == reference
     for args in METHODS:
         cost = {"cost_model": FLAT} if args["budget"] == "auto" else {}
@@ -152,6 +159,7 @@ def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path) -> None:
         model = LlamaCppModel(gguf, threads=2, ram=ram)
         streamed = model.stream.plan.streamed_bytes
         assert read_per_pass(model) == pytest.approx(streamed, rel=0.1), ram
+        del model
     everything = LlamaCppModel(gguf, threads=2, ram=2 * total_bytes(gguf))
     assert everything.stream is None and everything.memory() is None
     assert read_per_pass(everything) < 0.01 * total_bytes(gguf)
@@ -229,7 +237,9 @@ def test_ram_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:  # noqa:
 def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:  # noqa: F811
     from specexec.cli import main
 
-    args = ["generate", "--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--threads", "1"]
+    draft = str(shutil.copy(tokenized_gguf, tokenized_gguf.with_name("draft.gguf")))  # mapped apart
+    synced(tokenized_gguf)
+    args = ["generate", "--target", str(tokenized_gguf), "--draft", draft, "--threads", "1"]
     assert (
         main([*args, "--ram", "0", "--method", "specexec", "--budget", "4", "--max-new-tokens", "4", "ab"])
         == 0
@@ -246,7 +256,9 @@ def test_bench_streams_every_llamacpp_method_and_records_what_it_read(tokenized_
     prompts = tokenized_gguf.parent / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "ab a"}) + "\n")
     out = tokenized_gguf.parent / "bench"
-    models = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--ram", "0"]
+    draft = str(shutil.copy(tokenized_gguf, tokenized_gguf.with_name("draft.gguf")))  # mapped apart
+    synced(tokenized_gguf)
+    models = ["--target", str(tokenized_gguf), "--draft", draft, "--ram", "0"]
     run = ["--prompts", str(prompts), "--max-new-tokens", "6", "--warmup-tokens", "2", "--threads", "1"]
     methods = ["--methods", "ar,specexec,llamacpp,llamacpp-spec", "--budgets", "4"]
     assert main(["bench", *models, *run, *methods, "--llamacpp-spec-budgets", "3", "--no-progress",

@@ -61,6 +61,8 @@ class LlamaCpp:
             )
         short = ram is not None and ram < self.gguf.stat().st_size  # else it would all stay in RAM
         self.evict = _evictor(self.gguf, mapping()) if short else None
+        if self.evict is not None:
+            self.evict()  # loading read it all
         self.version = llama_cpp.__version__
         self.vocab = self.llm.n_vocab()
         self._logits_of_last = lambda: llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
@@ -112,6 +114,7 @@ class LlamaCpp:
         settings = {"gguf": self.gguf.name, "threads": self.threads, "llama_cpp_python": self.version}
         if self.evict is not None:
             settings["evicted_before_every_pass"] = True
+            self.evict()  # its pages mapped would stay in RAM through the other methods' runs
         # llama.cpp's forwards and its sampling are inseparable here: all of decode is target time.
         record = _record(input_ids, tokens, eos, prefill, wall, len(tokens), 0, 0.0, settings)
         return {**record, "tree_sizes": [0] * len(tokens), "tree_depths": [0] * len(tokens)}
@@ -198,6 +201,8 @@ class LlamaCppSpeculative:
             if token in eos or len(tokens) >= max_new_tokens:
                 break
         wall = clock(CPU) - start
+        if self.streamer is not None:
+            self.streamer.release()
         settings = {
             "gguf": self.names[0],
             "draft_gguf": self.names[1],

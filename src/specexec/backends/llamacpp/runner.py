@@ -60,6 +60,8 @@ class LlamaCppRunner(SlotRunner):
             llama_cpp.llama_batch_free(self.batch)
             self.model.give_context(self.ctx, self.capacity, self.sequences)
             self.ctx = None
+            if self.model.stream is not None:
+                self.model.stream.release()  # idle, a streamed model holds its resident part only
 
     # The runner interface.
 

@@ -39,6 +39,7 @@ PAGE = mmap.PAGESIZE
 AHEAD = 2  # streamed units read ahead of the one computing: reads overlap compute, RAM stays bounded
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 1, 3, 4, 22  # <asm-generic/mman-common.h>
 EMBEDDING = "token_embd.weight"
+READ_CHUNK = 2**22  # bytes per readahead request (4 MiB, within the kernel's usual limits)
 LAYER_OUTPUT = b"l_out-"  # llama.cpp names each layer's output "l_out-<layer>" (llama-graph.cpp, `cb`)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -173,10 +174,15 @@ def mapped() -> set[str]:
         return set(maps)
 
 
+def _inner(start: int, end: int) -> tuple[int, int]:
+    """The pages wholly inside start..end (a page shared with a neighbour is not)."""
+    return -(-start // PAGE) * PAGE, end // PAGE * PAGE
+
+
 def drop(base: int, fd: int, start: int, end: int) -> None:
-    """Evict the file's pages wholly inside start..end from RAM (a page shared with a neighbour stays):
-    unmap them from the mapping at `base`, then drop them from the page cache."""
-    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    """Evict the file's pages wholly inside start..end from RAM: unmap them from the mapping at `base`,
+    then drop them from the page cache."""
+    first, last = _inner(start, end)
     if last > first:
         _libc.madvise(base + first, last - first, MADV_DONTNEED)
         os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_DONTNEED)
@@ -203,10 +209,12 @@ class Streamer:
         self.passes = 0  # passes ended
         self._done = 0  # units finished by compute, counted across passes
         self._read = 0  # units read ahead
+        self._requested = -1  # the last unit whose reads are queued
         self._reading: int | None = None  # the unit the reader is reading
         self._drop_after_read = False  # compute finished it meanwhile: the reader drops it
         self._cond = threading.Condition()
         self._closed = False
+        self._paused = True  # read nothing ahead until the first pass begins, or after `release`
         self._idle = False  # the reader has read as far ahead as it may
         # No readahead on page faults: the kernel's window (read_ahead_kb, 8 MiB on some disks) would read
         # into the next unit behind the reader's back, and land after that unit's drop. The reader asks
@@ -214,32 +222,59 @@ class Streamer:
         spans = [s for u in plan.units for s in u.spans] + ([plan.embedding] if plan.embedding[1] else [])
         first, last = min(s for s, _ in spans) // PAGE * PAGE, -(-max(e for _, e in spans) // PAGE) * PAGE
         _libc.madvise(base + first, last - first, MADV_RANDOM)
-        for unit in self.streamed:
-            self._drop_unit(unit)
-        self._drop(*plan.embedding)
+        # Pages another mapping just let go of, or just written, can take a moment to become evictable.
+        for wait in (0.0, 0.05, 0.2, 0.5):
+            time.sleep(wait)
+            for unit in self.streamed:
+                self._drop_unit(unit)
+            self._drop(*plan.embedding)
+            inner = [_inner(*s) for u in self.streamed for s in u.spans]
+            if sum(self.resident(*s) for s in inner if s[1] > s[0]) <= sum(e - s for s, e in inner) // 10:
+                break
+        else:
+            os.close(self.fd)
+            raise LlamaCppError(
+                f"--ram cannot be kept: the pages of {gguf} do not leave RAM (is it mapped by another "
+                "program, or still being written?)"
+            )
         self.disk_bytes_per_second = self._read_speed()
         self.eval_callback = eval_callback(self)  # a context's `cb_eval`
         self._reader = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
         self._reader.start()
 
     def _read_speed(self, most: int = 256 * 2**20) -> float:
-        """Bytes per second reading streamed units (up to `most` bytes) as the reader does, from storage;
-        they are dropped again after."""
-        spans, total = [], 0
-        for span in (s for u in self.streamed for s in u.spans):
-            if total >= most:
-                break
-            spans.append(span)
-            total += span[1] - span[0]
-        start = time.perf_counter()
-        for span in spans:
-            self._populate(*span)
-        seconds = time.perf_counter() - start
-        for span in spans:
-            self._drop(*span)
-        return total / max(seconds, 1e-9)
+        """The storage's sequential read speed, bytes per second: up to `most` bytes of the streamed
+        units read with O_DIRECT (past the page cache, as `dd iflag=direct` does), 16 MiB a request;
+        where O_DIRECT is refused, read into the page cache as the reader does, and dropped after."""
+        start = min(s[0] for u in self.streamed for s in u.spans) // PAGE * PAGE
+        end = min(start + most, max(s[1] for u in self.streamed for s in u.spans))
+        block = mmap.mmap(-1, 16 * 2**20)  # page-aligned, as O_DIRECT needs
+        try:
+            fd = os.open(self.gguf, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            fd = None
+        begin = time.perf_counter()
+        try:
+            if fd is not None:
+                offset = start
+                while offset < end and (n := os.preadv(fd, [block], offset)) > 0:
+                    offset += n
+                return (offset - start) / max(time.perf_counter() - begin, 1e-9)
+        except OSError:
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+        self._populate(start, end)
+        seconds = time.perf_counter() - begin
+        self._drop(start, end)
+        return (end - start) / max(seconds, 1e-9)
 
     def begin(self) -> None:
+        with self._cond:
+            if self._paused:
+                self._paused, self._idle = False, False
+                self._cond.notify_all()
         stat = os.fstat(self.fd)
         if (stat.st_size, stat.st_mtime_ns) != self._identity:
             raise LlamaCppError(f"{self.gguf} changed on disk during the run; load it again")
@@ -255,6 +290,16 @@ class Streamer:
         self.passes += 1
         self._advance(self.passes * len(self.streamed))
         self._drop(*self.plan.embedding)
+
+    def release(self) -> None:
+        """Between generations: nothing read ahead, every streamed unit out of RAM, until the next pass
+        begins (the RAM is the other programs', and another model of the same file can run)."""
+        with self._cond:
+            self._paused = True
+            self._cond.wait_for(lambda: self._reading is None or self._closed)
+            self._read, self._requested = self._done, self._done - 1
+        for unit in self.streamed:
+            self._drop_unit(unit)
 
     def settle(self) -> None:
         """Wait until the reader has read as far ahead as it may (for measurements)."""
@@ -281,7 +326,7 @@ class Streamer:
             with self._cond:
                 # A unit compute got to first is not worth reading now; the next pass reads it.
                 self._read = max(self._read, self._done)
-                while not self._closed and self._read > self._done + AHEAD:
+                while not self._closed and (self._paused or self._read > self._done + AHEAD):
                     self._idle = True
                     self._cond.notify_all()
                     self._cond.wait()
@@ -289,11 +334,18 @@ class Streamer:
                 if self._closed:
                     return
                 self._reading, self._read = self._read, self._read + 1
+                # Queue the next unit's reads too, so the disk has work while this one is mapped in.
+                ahead = self._read if self._read <= self._done + AHEAD and not self._paused else self._reading
+                first, self._requested = max(self._requested + 1, self._reading), max(self._requested, ahead)
+            for g in range(first, ahead + 1):
+                for span in self.streamed[g % n].spans:
+                    self._request(*span)
             unit = self.streamed[self._reading % n]
             for span in unit.spans:
-                self._populate(*span)
+                self._map(*span)
             with self._cond:
                 late, self._drop_after_read, self._reading = self._drop_after_read, False, None
+                self._cond.notify_all()
             if late:
                 self._drop_unit(unit)
 
@@ -302,7 +354,18 @@ class Streamer:
             self._drop(*span)
 
     def _populate(self, start: int, end: int) -> None:
-        os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        """Read start..end into the page cache and map it."""
+        self._request(start, end)
+        self._map(start, end)
+
+    def _request(self, start: int, end: int) -> None:
+        """Queue asynchronous reads of start..end (the kernel reads at most its readahead size,
+        read_ahead_kb, per request)."""
+        for chunk in range(start, end, READ_CHUNK):
+            os.posix_fadvise(self.fd, chunk, min(READ_CHUNK, end - chunk), os.POSIX_FADV_WILLNEED)
+
+    def _map(self, start: int, end: int) -> None:
+        """Wait for start..end to be read and map it into llama.cpp's mapping."""
         first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
         if _libc.madvise(self.base + first, last - first, MADV_POPULATE_READ) != 0:
             _libc.madvise(self.base + first, last - first, MADV_WILLNEED)  # kernels before 5.14

@@ -1,0 +1,126 @@
+"""One target pass over k new tokens after a 200-token context, in RAM and streamed from disk (--ram).
+
+    python benchmarks/stream_passes.py --threads 2 [--target qwen2.5-coder-1.5b] [--rams 0,512MiB]
+
+Modes, one after the other in one process (seconds per pass, the fastest of --repeats):
+- `in RAM`: llama.cpp's default load (repacked weights);
+- `in RAM, repacking off`: the kernels a streamed run uses;
+- `--ram SIZE`: the target streamed by specexec (`specexec.backends.llamacpp.stream`);
+- `evicted`: plain llama.cpp short of memory at its best: repacking off, the whole mapping evicted
+  before every pass (the eviction not timed), the kernel's own readahead only.
+Each streamed mode also gives its MiB read from storage per pass and the time to read its streamed bytes
+sequentially at the disk speed measured at load (the streaming-speed goal of issue 31).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+from specexec.backends.llamacpp import stream
+from specexec.backends.llamacpp.library import llama_cpp_library
+from specexec.backends.llamacpp.model import LlamaCppModel
+from specexec.models import DEFAULT_TARGET, gguf_file
+from specexec.sizes import parse_size
+from specexec.storage import read_bytes
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+CONTEXT = 200
+
+
+@contextmanager
+def unrepacked():
+    llama_cpp = llama_cpp_library()
+    defaults = llama_cpp.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_model_default_params = defaults
+
+
+def passes(model: LlamaCppModel, repeats: int, before_pass=lambda: None) -> tuple[dict, dict]:
+    """Seconds per pass and MiB read per pass, by size."""
+    runner = model.make_runner(CONTEXT + max(SIZES) + 8)
+    generator = torch.Generator().manual_seed(0)
+    runner.extend(torch.randint(0, 1000, (CONTEXT,), generator=generator))
+    seconds, mib = {}, {}
+    for k in SIZES:
+        best, reads = float("inf"), []
+        for _ in range(repeats):
+            runner.keep(torch.arange(CONTEXT))
+            tokens = torch.randint(0, 1000, (k,), generator=generator)
+            before_pass()
+            time.sleep(0.2)  # stands for the draft's turn: the reader reads ahead meanwhile
+            start, read = time.perf_counter(), read_bytes()
+            runner.extend(tokens, logits_to_keep=1)
+            best = min(best, time.perf_counter() - start)
+            reads.append((read_bytes() - read) / 2**20)
+        seconds[k], mib[k] = best, sorted(reads)[len(reads) // 2]
+    return seconds, mib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rams", default="0,512MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    gguf = gguf_file(args.target)
+    rows = []
+    rows.append(("in RAM (repacked)", *passes(LlamaCppModel(gguf, args.threads), args.repeats), None))
+    with unrepacked():
+        resident = LlamaCppModel(gguf, args.threads)
+    rows.append(("in RAM, repacking off", *passes(resident, args.repeats), None))
+    del resident  # a model that maps the file keeps its pages in RAM
+    for text in args.rams.split(","):
+        model = LlamaCppModel(gguf, args.threads, ram=parse_size(text, zero=True))
+        memory = model.memory()
+        read_time = memory.streamed / memory.disk_bytes_per_second
+        label = (
+            f"--ram {text}: {memory.resident / 2**20:.0f} MiB resident, {memory.streamed / 2**20:.0f} MiB "
+            f"streamed, disk {memory.disk_bytes_per_second / 1e9:.2f} GB/s, read time {read_time:.3f} s"
+        )
+        rows.append((label, *passes(model, args.repeats), read_time))
+        del model
+    with unrepacked():
+        plain = LlamaCppModel(gguf, args.threads)
+    before = {line for line in stream.mapped() if str(gguf) not in line}
+    base = stream.mapping_base(gguf, before)
+    units, embedding = stream.layout(gguf)
+    spans = [s for u in units for s in u.spans] + [embedding]
+    fd = os.open(gguf, os.O_RDONLY)
+
+    def evict() -> None:
+        for start, end in spans:
+            stream.drop(base, fd, start, end)
+
+    rows.append(("evicted before every pass, repacking off", *passes(plain, args.repeats, evict), None))
+    print(f"target {gguf.name}, {args.threads} threads, one pass over k tokens after {CONTEXT} (s; MiB read)")
+    print("| mode | " + " | ".join(f"t({k})" for k in SIZES) + " |")
+    print("|---|" + "---:|" * len(SIZES))
+    for label, seconds, mib in (row[:3] for row in rows):
+        cells = " | ".join(f"{seconds[k]:.3f} ({mib[k]:.0f})" for k in SIZES)
+        print(f"| {label} | {cells} |")
+    in_ram = rows[1][1]
+    for label, seconds, _, read_time in rows[2:-1]:
+        print(
+            f"{label.split(':')[0]}: t(1) / read time {seconds[1] / read_time:.2f} (goal <= 1.2); "
+            f"t(32) / max(read time, in-RAM t(32)) {seconds[32] / max(read_time, in_ram[32]):.2f} "
+            "(goal <= 1.15)"
+        )
+
+
+if __name__ == "__main__":
+    main()
