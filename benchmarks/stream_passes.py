@@ -15,9 +15,11 @@ sequentially at the disk speed measured at load (the streaming-speed goal of iss
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -76,6 +78,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rams", default="0,512MiB")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--json", default=None, help="also write the seconds per pass here (for projection.py)"
+    )
     args = parser.parse_args()
     gguf = gguf_file(args.target)
     rows = []
@@ -114,6 +119,10 @@ def main() -> None:
         cells = " | ".join(f"{seconds[k]:.3f} ({mib[k]:.0f})" for k in SIZES)
         print(f"| {label} | {cells} |")
     in_ram = rows[1][1]
+    if args.json:
+        table = {label: {"seconds": seconds, "mib_read": mib} for label, seconds, mib, _ in rows}
+        payload = {"target": gguf.name, "threads": args.threads, "modes": table, "in_ram_unrepacked": in_ram}
+        Path(args.json).write_text(json.dumps(payload, indent=1))
     for label, seconds, _, read_time in rows[2:-1]:
         print(
             f"{label.split(':')[0]}: t(1) / read time {seconds[1] / read_time:.2f} (goal <= 1.2); "
