@@ -4,7 +4,8 @@
 
 Modes, one after the other in one process (seconds per pass, the fastest of --repeats):
 - `in RAM`: llama.cpp's default load (repacked weights);
-- `in RAM, repacking off`: the kernels a streamed run uses;
+- `in RAM, repacking off`: the kernels a streamed run uses; then with llama.cpp's eval callback asking
+  for each layer's output (a graph cut per layer, as streaming needs) and doing nothing;
 - `--ram SIZE`: the target streamed by specexec (`specexec.backends.llamacpp.stream`);
 - `evicted`: plain llama.cpp short of memory at its best: repacking off, the whole mapping evicted
   before every pass (the eviction not timed), the kernel's own readahead only.
@@ -32,6 +33,28 @@ from specexec.storage import read_bytes
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXT = 200
+
+
+class Listener:
+    """Hears each layer's end through llama.cpp's eval callback, as a `Streamer` does, and does nothing."""
+
+    def __init__(self) -> None:
+        self.eval_callback = stream.eval_callback(self)
+
+    def layer_done(self, layer: int) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @contextmanager
@@ -88,6 +111,8 @@ def main() -> None:
     with unrepacked():
         resident = LlamaCppModel(gguf, args.threads)
     rows.append(("in RAM, repacking off", *passes(resident, args.repeats), None))
+    resident.stream = Listener()  # what llama.cpp's eval callback costs: a graph cut per layer
+    rows.append(("in RAM, repacking off, eval callback", *passes(resident, args.repeats), None))
     del resident  # a model that maps the file keeps its pages in RAM
     for text in args.rams.split(","):
         model = LlamaCppModel(gguf, args.threads, ram=parse_size(text, zero=True))
@@ -123,7 +148,7 @@ def main() -> None:
         table = {label: {"seconds": seconds, "mib_read": mib} for label, seconds, mib, _ in rows}
         payload = {"target": gguf.name, "threads": args.threads, "modes": table, "in_ram_unrepacked": in_ram}
         Path(args.json).write_text(json.dumps(payload, indent=1))
-    for label, seconds, _, read_time in rows[2:-1]:
+    for label, seconds, _, read_time in rows[3:-1]:
         print(
             f"{label.split(':')[0]}: t(1) / read time {seconds[1] / read_time:.2f} (goal <= 1.2); "
             f"t(32) / max(read time, in-RAM t(32)) {seconds[32] / max(read_time, in_ram[32]):.2f} "

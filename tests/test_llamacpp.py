@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-from tiny_gguf import write_random_gguf
+from tiny_gguf import on_storage, write_random_gguf
 from tiny_models import assert_cache_is_text_with_cut, chi2_pvalue
 
 import specexec
@@ -507,12 +508,18 @@ SAMPLE_METHODS = {
 
 
 @functools.cache
-def sampling_pair(folder: str) -> tuple[LlamaCppModel, LlamaCppModel]:
-    paths = [Path(folder) / f"small-{seed}.gguf" for seed in (0, 7)]
+def sampling_pair(folder: str, streamed: bool = False) -> tuple[LlamaCppModel, LlamaCppModel]:
+    """The target streamed from disk (`--ram 0`, a file of its own: a second model's mapping of the same
+    file would hold its pages in RAM) or resident, and the draft."""
+    suffix = "-streamed" if streamed else ""
+    paths = [Path(folder) / f"small-{seed}{suffix}.gguf" for seed in (0, 7)]
     for path, seed, scale in zip(paths, (0, 7), (0.15, 0.5), strict=True):
         if not path.exists():
             write_small_gguf(path, seed, scale)
-    return LlamaCppModel(paths[0], threads=1), LlamaCppModel(paths[1], threads=1)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())  # a dirty page cannot leave RAM
+    ram = 0 if streamed else None
+    return LlamaCppModel(paths[0], threads=1, ram=ram), LlamaCppModel(paths[1], threads=1)
 
 
 def write_small_gguf(path: Path, seed: int, scale: float) -> None:
@@ -534,9 +541,13 @@ def exact_joint(target: LlamaCppModel, params: SamplingParams) -> torch.Tensor:
     return joint
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
 @pytest.mark.parametrize("method", list(SAMPLE_METHODS))
-def test_every_method_samples_the_backends_distribution(gguf_dir: Path, method: str) -> None:
-    target, draft = sampling_pair(str(gguf_dir))
+def test_every_method_samples_the_backends_distribution(gguf_dir: Path, method: str, streamed: bool) -> None:
+    if streamed and not on_storage(gguf_dir):
+        pytest.skip("the temporary folder is in memory (tmpfs): nothing can be streamed from it")
+    target, draft = sampling_pair(str(gguf_dir), streamed)
+    assert (target.stream is not None) == streamed
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
     joint = exact_joint(target, params)
     assert float(joint.sum((1, 2)).max()) < 0.6  # test design: spread out

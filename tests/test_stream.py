@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_llamacpp import FLAT, METHODS, tokenized_gguf  # noqa: F401 (a fixture)
-from tiny_gguf import write_random_gguf
+from tiny_gguf import on_storage, write_random_gguf
 
 import specexec
 from specexec.sizes import format_bytes
@@ -29,17 +29,6 @@ from specexec.backends.llamacpp.model import LlamaCppModel  # noqa: E402
 LAYERS = 8
 PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
 MiB = 2**20
-
-
-def on_storage(path: Path) -> bool:
-    """Whether `path` is on a file system whose pages can be evicted and read again (not tmpfs)."""
-    best, kind = "", ""
-    with open("/proc/mounts") as mounts:
-        for line in mounts:
-            point, fs = line.split()[1:3]
-            if str(path.resolve()).startswith(point) and len(point) > len(best):
-                best, kind = point, fs
-    return kind not in ("tmpfs", "ramfs")
 
 
 def write_streamable(path: Path, seed: int = 0, noise: float = 0.0) -> Path:

@@ -94,3 +94,15 @@ def write_random_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def on_storage(path: Path) -> bool:
+    """Whether `path` is on a file system whose pages can be evicted and read again (not tmpfs): what
+    streaming a GGUF from disk (`--ram`) needs."""
+    best, kind = "", ""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            point, fs = line.split()[1:3]
+            if str(path.resolve()).startswith(point) and len(point) > len(best):
+                best, kind = point, fs
+    return kind not in ("tmpfs", "ramfs")

@@ -23,7 +23,6 @@ mapping of a file written in place would hand the kernels other weights.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import sys
@@ -42,9 +41,11 @@ EMBEDDING = "token_embd.weight"
 READ_CHUNK = 2**22  # bytes per readahead request (4 MiB, within the kernel's usual limits)
 LAYER_OUTPUT = b"l_out-"  # llama.cpp names each layer's output "l_out-<layer>" (llama-graph.cpp, `cb`)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+# This process's C library (`plan` refuses systems other than Linux before any call).
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
+if _libc is not None:
+    _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,6 @@ class Plan:
     units: tuple[Unit, ...]  # in the order a pass uses them
     streamed: frozenset[str]
     embedding: tuple[int, int]  # the token embedding table's bytes in the file (gathered)
-    total: int  # bytes of every unit and the embedding table
 
     @property
     def resident_bytes(self) -> int:
@@ -141,7 +141,6 @@ def plan(gguf: Path, ram: int) -> Plan:
     if not sys.platform.startswith("linux"):
         raise LlamaCppError("--ram needs Linux (it steers the page cache with madvise and fadvise)")
     units, embedding = layout(gguf)
-    total = sum(u.nbytes for u in units) + embedding[1] - embedding[0]
     streamed = {u.name for u in units}
     minimum = window(units, streamed)
     if 0 < ram < minimum:
@@ -154,7 +153,7 @@ def plan(gguf: Path, ram: int) -> Plan:
         kept = sum(u.nbytes for u in units if u.name not in rest)
         if kept + window(units, rest) <= ram:
             streamed = rest
-    return Plan(tuple(units), frozenset(streamed), embedding, total)
+    return Plan(tuple(units), frozenset(streamed), embedding)
 
 
 def mapping_base(gguf: Path, before: set[str]) -> int:
@@ -170,6 +169,7 @@ def mapping_base(gguf: Path, before: set[str]) -> int:
 
 
 def mapped() -> set[str]:
+    """The lines of /proc/self/maps: what this process has mapped."""
     with open("/proc/self/maps") as maps:
         return set(maps)
 
