@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -127,15 +126,7 @@ def main() -> None:
     with unrepacked():
         plain = LlamaCppModel(gguf, args.threads)
     before = {line for line in stream.mapped() if str(gguf) not in line}
-    base = stream.mapping_base(gguf, before)
-    units, embedding = stream.layout(gguf)
-    spans = [s for u in units for s in u.spans] + [embedding]
-    fd = os.open(gguf, os.O_RDONLY)
-
-    def evict() -> None:
-        for start, end in spans:
-            stream.drop(base, fd, start, end)
-
+    evict = stream.evictor(gguf, stream.mapping_base(gguf, before))
     rows.append(("evicted before every pass, repacking off", *passes(plain, args.repeats, evict), None))
     print(f"target {gguf.name}, {args.threads} threads, one pass over k tokens after {CONTEXT} (s; MiB read)")
     print("| mode | " + " | ".join(f"t({k})" for k in SIZES) + " |")

@@ -20,7 +20,6 @@ With `ram` (the bench's --ram), both run the target as llama.cpp would in that m
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.library import INSTALL_HINT
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
@@ -60,7 +60,7 @@ class LlamaCpp:
                 verbose=False,
             )
         short = ram is not None and ram < self.gguf.stat().st_size  # else it would all stay in RAM
-        self.evict = _evictor(self.gguf, mapping()) if short else None
+        self.evict = stream.evictor(self.gguf, mapping()) if short else None
         if self.evict is not None:
             self.evict()  # loading read it all
         self.version = llama_cpp.__version__
@@ -293,8 +293,6 @@ def _unrepacked(gguf: Path, enabled: bool, ram: int | None = None):
     the target streamed within `ram` bytes (None if it all fits). `Llama` reads llama.cpp's default
     parameters before it loads the model: its context gets an eval callback that reaches the streamer
     once there is one."""
-    from specexec.backends.llamacpp import stream
-
     if not enabled:
         yield lambda: None
         return
@@ -337,18 +335,3 @@ class _Later:
     def layer_done(self, layer: int) -> None:
         if self.streamer is not None:
             self.streamer.layer_done(layer)
-
-
-def _evictor(gguf: Path, base: int) -> Callable[[], None]:
-    """A function that evicts every page of llama.cpp's mapping of `gguf` (at `base`) from RAM."""
-    from specexec.backends.llamacpp import stream
-
-    units, embedding = stream.layout(gguf)
-    spans = [span for unit in units for span in unit.spans] + [embedding]
-    fd = os.open(gguf, os.O_RDONLY)
-
-    def evict() -> None:
-        for start, end in spans:
-            stream.drop(base, fd, start, end)
-
-    return evict

@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,6 +187,20 @@ def drop(base: int, fd: int, start: int, end: int) -> None:
     if last > first:
         _libc.madvise(base + first, last - first, MADV_DONTNEED)
         os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_DONTNEED)
+
+
+def evictor(gguf: Path, base: int) -> Callable[[], None]:
+    """A function that evicts every page of llama.cpp's mapping of `gguf` (at `base`) from RAM: plain
+    llama.cpp short of memory, whose LRU evicts each page before the next pass needs it (the bench)."""
+    units, embedding = layout(gguf)
+    spans = [span for unit in units for span in unit.spans] + [embedding]
+    fd = os.open(gguf, os.O_RDONLY)
+
+    def evict() -> None:
+        for start, end in spans:
+            drop(base, fd, start, end)
+
+    return evict
 
 
 class Streamer:
