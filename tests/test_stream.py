@@ -144,6 +144,8 @@ def read_per_pass(model: LlamaCppModel, passes: int = 10) -> float:
 
 
 def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path) -> None:
+    if read_bytes() == 0:
+        pytest.skip("this kernel does not count the bytes a process reads (/proc/self/io)")
     for ram in (0, half(gguf)):
         model = LlamaCppModel(gguf, threads=2, ram=ram)
         streamed = model.stream.plan.streamed_bytes
