@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,6 +203,30 @@ def test_a_gguf_changed_on_disk_is_an_error_and_streaming_never_writes_it(tmp_pa
         f.write(bytes(16))
     with pytest.raises(LlamaCppError, match="changed on disk during the run"):
         runner.extend(torch.tensor([5]))
+
+
+EXIT_MID_READ = """
+import sys, torch
+from specexec.backends.llamacpp.model import LlamaCppModel
+
+model = LlamaCppModel(sys.argv[1], threads=2, ram=0)
+runner = model.make_runner(64)
+runner.extend(torch.tensor([3, 17, 42, 5, 9, 11, 60, 2]))
+runner.extend(torch.tensor([7]))  # the reader reads the next pass's units: still reading at the end
+print("decoded", flush=True)
+"""
+
+
+def test_a_program_ending_while_the_reader_reads_exits(tmp_path: Path) -> None:
+    """The reader is a daemon thread, frozen mid-read at exit; a runner released after that would wait
+    for it forever. Streamers are closed before that happens."""
+    if not on_storage(tmp_path):
+        pytest.skip("the temporary folder is in memory (tmpfs)")
+    path = write_streamable(tmp_path / "m.gguf")
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_MID_READ, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout == "decoded\n", done.stderr
 
 
 def test_ram_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:  # noqa: F811

@@ -22,12 +22,14 @@ mapping of a file written in place would hand the kernels other weights.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import mmap
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,6 +258,7 @@ class Streamer:
         self.eval_callback = eval_callback(self)  # a context's `cb_eval`
         self._reader = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
         self._reader.start()
+        _open.add(self)
 
     def _read_speed(self, most: int = 256 * 2**20) -> float:
         """The storage's sequential read speed, bytes per second: up to `most` bytes of the streamed
@@ -310,6 +313,8 @@ class Streamer:
         """Between generations: nothing read ahead, every streamed unit out of RAM, until the next pass
         begins (the RAM is the other programs', and another model of the same file can run)."""
         with self._cond:
+            if self._closed:
+                return
             self._paused = True
             self._cond.wait_for(lambda: self._reading is None or self._closed)
             self._read, self._requested = self._done, self._done - 1
@@ -407,10 +412,23 @@ class Streamer:
 
     def close(self) -> None:
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify_all()
         self._reader.join()
         os.close(self.fd)
+
+
+_open: weakref.WeakSet[Streamer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_streamers() -> None:
+    """At exit, before the interpreter freezes daemon threads: a reader frozen in the middle of a read
+    would never let `release` (a runner's last act) return, and the process would hang."""
+    for streamer in list(_open):
+        streamer.close()
 
 
 def eval_callback(streamer: Streamer):
