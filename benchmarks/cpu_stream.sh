@@ -3,8 +3,9 @@
 # the target streamed from disk with --ram 0 (all of it) and --ram 512MiB (about half), 2 threads. Every
 # llama.cpp method in the same mode: our ar and specexec (auto and fixed budgets), plain llama.cpp
 # short of memory (`llamacpp`: its mapping evicted before every pass) and llama.cpp's own speculative
-# decoding with its target streamed as ours (`llamacpp-spec`). HumanEval greedy, then MT-Bench at T=0.6
-# with fewer methods. Each mode starts from a fresh calibration in that mode.
+# decoding with its target streamed as ours (`llamacpp-spec`). HumanEval greedy, then MT-Bench at T=0.6,
+# MT-Bench greedy and HumanEval at T=0.6 with fewer methods. Each mode starts from a fresh calibration
+# in that mode.
 set -euo pipefail
 out=${1:-bench-out}
 common=(--backend llamacpp --threads 2 --n-prompts 3 --max-new-tokens 64 --warmup-tokens 4 --no-progress)
@@ -19,3 +20,9 @@ for ram in 0 512MiB; do
     --methods ar,llamacpp,llamacpp-spec,specexec --budgets auto,64 --llamacpp-spec-budgets 8 \
     --out "$out/stream-$ram-mtbench-t0.6"
 done
+specexec bench --prompts mtbench --ram 0 "${common[@]}" \
+  --methods ar,llamacpp-spec,dsl,specexec --budgets auto --llamacpp-spec-budgets 8,16 --dsl-budgets auto \
+  --out "$out/stream-0-mtbench-greedy"
+specexec bench --prompts humaneval --ram 0 "${common[@]}" --temperature 0.6 --top-p 0.9 \
+  --methods ar,llamacpp-spec,specexec --budgets auto --llamacpp-spec-budgets 8,16 \
+  --out "$out/stream-0-humaneval-t0.6"

@@ -9,14 +9,17 @@ Modes, one after the other in one process (seconds per pass, the fastest of --re
 - `--ram SIZE`: the target streamed by specexec (`specexec.backends.llamacpp.stream`);
 - `evicted`: plain llama.cpp short of memory at its best: repacking off, the whole mapping evicted
   before every pass (the eviction not timed), the kernel's own readahead only.
-Each streamed mode also gives its MiB read from storage per pass and the time to read its streamed bytes
-sequentially at the disk speed measured at load (the streaming-speed goal of issue 31).
+Each streamed mode also gives its MiB read from storage per pass, the time to read its streamed bytes
+sequentially at the disk speed measured at load (the streaming-speed goal of issue 31), and the most
+bytes of the weights in RAM at once during passes (mincore over the mapping every 2 ms, in passes of
+their own, untimed: the memory goal).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,6 +97,30 @@ def passes(model: LlamaCppModel, repeats: int, before_pass=lambda: None) -> tupl
     return seconds, mib
 
 
+def peak_in_ram(model: LlamaCppModel, passes_each: int = 3) -> int:
+    """The most bytes of the weights in RAM at once (resident and streamed units, sampled every 2 ms)
+    over passes of 1 and 32 tokens, the reader reading ahead between them as during a generation."""
+    runner = model.make_runner(CONTEXT + 40)
+    runner.extend(torch.randint(0, 1000, (CONTEXT,), generator=torch.Generator().manual_seed(0)))
+    peak, running = 0, True
+
+    def sample() -> None:
+        nonlocal peak
+        while running:
+            peak = max(peak, sum(model.stream.residency()))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    for k in (1, 32) * passes_each:
+        runner.keep(torch.arange(CONTEXT))
+        time.sleep(0.2)
+        runner.extend(torch.randint(0, 1000, (k,)), logits_to_keep=1)
+    running = False
+    sampler.join()
+    return peak
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
@@ -105,7 +132,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     gguf = gguf_file(args.target)
-    rows = []
+    rows, peaks = [], []
     rows.append(("in RAM (repacked)", *passes(LlamaCppModel(gguf, args.threads), args.repeats), None))
     with unrepacked():
         resident = LlamaCppModel(gguf, args.threads)
@@ -122,6 +149,7 @@ def main() -> None:
             f"streamed, disk {memory.disk_bytes_per_second / 1e9:.2f} GB/s, read time {read_time:.3f} s"
         )
         rows.append((label, *passes(model, args.repeats), read_time))
+        peaks.append((text, peak_in_ram(model), memory))
         del model
     with unrepacked():
         plain = LlamaCppModel(gguf, args.threads)
@@ -137,13 +165,25 @@ def main() -> None:
     in_ram = rows[1][1]
     if args.json:
         table = {label: {"seconds": seconds, "mib_read": mib} for label, seconds, mib, _ in rows}
-        payload = {"target": gguf.name, "threads": args.threads, "modes": table, "in_ram_unrepacked": in_ram}
+        peak_mib = {text: peak / 2**20 for text, peak, _ in peaks}
+        payload = {
+            "target": gguf.name, "threads": args.threads, "modes": table, "in_ram_unrepacked": in_ram,
+            "peak_mib_in_ram": peak_mib,
+        }  # fmt: skip
         Path(args.json).write_text(json.dumps(payload, indent=1))
     for label, seconds, _, read_time in rows[3:-1]:
         print(
             f"{label.split(':')[0]}: t(1) / read time {seconds[1] / read_time:.2f} (goal <= 1.2); "
             f"t(32) / max(read time, in-RAM t(32)) {seconds[32] / max(read_time, in_ram[32]):.2f} "
             "(goal <= 1.15)"
+        )
+
+    for text, peak, memory in peaks:
+        size = parse_size(text, zero=True)
+        print(
+            f"--ram {text}: at most {peak / 2**20:.0f} MiB of weights in RAM during passes (plan: "
+            f"{memory.resident / 2**20:.0f} resident + {memory.window / 2**20:.0f} window; goal <= SIZE + 5%"
+            + (f" = {size * 1.05 / 2**20:.0f} MiB)" if size else ": --ram 0 holds the window only)")
         )
 
 

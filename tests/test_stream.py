@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def test_every_method_reproduces_greedy_decoding_streamed(gguf: Path) -> None:
         out = specexec.generate(target, draft, PROMPT, max_new_tokens=24, **args, **cost)
         assert out.tokens == reference, args
         assert sum(out.stats.accepted) > 0, args  # the draft was used
+        assert out.stats.cache_bytes > 0, args  # what the stats line reports apart from --ram
 
 
 # -- what is read, what stays -----------------------------------------------------------------------------
@@ -263,6 +265,7 @@ def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:
     )
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "weights 0 MiB resident" in line and "MiB streamed per pass" in line and "GB/s" in line, line
+    assert re.search(r"plus \d+ MiB of KV caches and buffers", line), line  # apart from --ram
 
 
 def test_bench_streams_every_llamacpp_method_and_records_what_it_read(tokenized_gguf: Path) -> None:  # noqa: F811

@@ -183,7 +183,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"decode {stats.decode_tokens_per_second:.2f} tok/s | prefill {stats.prefill_seconds:.2f} s | "
         f"draft {stats.draft_seconds:.2f} s, target {stats.target_seconds:.2f} s, "
         f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}{calibration}"
-        f"{' | ' + pair.memory if pair.memory else ''}",
+        f"{' | ' + pair.memory if pair.memory else ''}"
+        f"{f', plus {stats.cache_bytes / 2**20:.0f} MiB of KV caches and buffers' if pair.memory else ''}",
         file=sys.stderr,
     )
     return 0

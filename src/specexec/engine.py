@@ -46,6 +46,7 @@ class Stats:
     tree_sizes: list[int] = field(default_factory=list)  # draft tokens verified per step
     tree_depths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step
+    cache_bytes: int = 0  # the runners' KV caches and working buffers (the weights apart)
 
     @property
     def tokens_per_step(self) -> float:
@@ -332,6 +333,7 @@ class Generation:
         stats = self.stats
         stats.target_seconds = self.target_runner.forward_seconds
         stats.draft_seconds = self.draft_runner.forward_seconds if self.draft_runner is not None else 0.0
+        stats.cache_bytes = self.target_runner.nbytes + (self.draft_runner.nbytes if self.draft_runner else 0)
         stats.target_calls += 1
         stats.draft_calls += draft_calls
         stats.tree_sizes.append(tree.size - 1)

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from specexec.backends.llamacpp.library import LlamaCppError, tensor_name
 from specexec.sizes import format_bytes
 
@@ -400,7 +402,7 @@ class Streamer:
         vec = (ctypes.c_ubyte * pages)()
         if _libc.mincore(self.base + first, last - first, vec) != 0:
             return 0
-        return sum(b & 1 for b in bytes(vec)) * PAGE
+        return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * PAGE
 
     def residency(self) -> tuple[int, int]:
         """(bytes of the resident units in RAM, bytes of the streamed units in RAM)."""
