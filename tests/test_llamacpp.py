@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-from tiny_gguf import on_storage, write_random_gguf
+from tiny_gguf import on_storage, synced, write_random_gguf
 from tiny_models import assert_cache_is_text_with_cut, chi2_pvalue
 
 import specexec
@@ -515,16 +514,14 @@ def sampling_pair(folder: str, streamed: bool = False) -> tuple[LlamaCppModel, L
     paths = [Path(folder) / f"small-{seed}{suffix}.gguf" for seed in (0, 7)]
     for path, seed, scale in zip(paths, (0, 7), (0.15, 0.5), strict=True):
         if not path.exists():
-            write_small_gguf(path, seed, scale)
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())  # a dirty page cannot leave RAM
+            synced(write_small_gguf(path, seed, scale))
     ram = 0 if streamed else None
     return LlamaCppModel(paths[0], threads=1, ram=ram), LlamaCppModel(paths[1], threads=1)
 
 
-def write_small_gguf(path: Path, seed: int, scale: float) -> None:
+def write_small_gguf(path: Path, seed: int, scale: float) -> Path:
     """A 10-token vocabulary, spread-out distributions (the target) or sharper ones (the draft)."""
-    write_random_gguf(
+    return write_random_gguf(
         path, "llama", "f32", seed=seed, logit_scale=scale, vocab=V, hidden=32, ffn=64, layers=1
     )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_llamacpp import FLAT, METHODS, tokenized_gguf  # noqa: F401 (a fixture)
-from tiny_gguf import on_storage, write_random_gguf
+from tiny_gguf import on_storage, synced, write_random_gguf
 
 import specexec
 from specexec.sizes import format_bytes
@@ -37,12 +37,6 @@ MiB = 2**20
 def write_streamable(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
     write_random_gguf(path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS)
     return synced(path)
-
-
-def synced(path: Path) -> Path:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())  # dirty pages cannot be evicted: the tests need them on storage
-    return path
 
 
 @pytest.fixture(scope="module")

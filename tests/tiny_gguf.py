@@ -7,6 +7,7 @@ drawn with a large scale so next-token distributions are peaked and greedy decod
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,10 @@ def on_storage(path: Path) -> bool:
             if str(path.resolve()).startswith(point) and len(point) > len(best):
                 best, kind = point, fs
     return kind not in ("tmpfs", "ramfs")
+
+
+def synced(path: Path) -> Path:
+    """`path` written through to storage: dirty pages cannot be evicted, and streaming tests need them to."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return path

@@ -331,9 +331,10 @@ class Generation:
 
     def _count(self, tree, draft_calls: int, accepted: int) -> None:
         stats = self.stats
+        draft = self.draft_runner
         stats.target_seconds = self.target_runner.forward_seconds
-        stats.draft_seconds = self.draft_runner.forward_seconds if self.draft_runner is not None else 0.0
-        stats.cache_bytes = self.target_runner.nbytes + (self.draft_runner.nbytes if self.draft_runner else 0)
+        stats.draft_seconds = draft.forward_seconds if draft is not None else 0.0
+        stats.cache_bytes = self.target_runner.nbytes + (draft.nbytes if draft is not None else 0)
         stats.target_calls += 1
         stats.draft_calls += draft_calls
         stats.tree_sizes.append(tree.size - 1)

@@ -198,11 +198,14 @@ def evictor(gguf: Path, base: int) -> Callable[[], None]:
     llama.cpp short of memory, whose LRU evicts each page before the next pass needs it (the bench)."""
     units, embedding = layout(gguf)
     spans = [span for unit in units for span in unit.spans] + [embedding]
-    fd = os.open(gguf, os.O_RDONLY)
 
     def evict() -> None:
-        for start, end in spans:
-            drop(base, fd, start, end)
+        fd = os.open(gguf, os.O_RDONLY)  # for the call only: an evictor holds no descriptor
+        try:
+            for start, end in spans:
+                drop(base, fd, start, end)
+        finally:
+            os.close(fd)
 
     return evict
 
