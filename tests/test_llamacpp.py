@@ -165,6 +165,47 @@ def test_draft_rounds_with_pruning_match_sequential_decoding(model) -> None:
     assert runner.free_sequences  # pruned leaves gave their sequences back
 
 
+def test_keeping_a_path_and_the_subtree_below_it_continues_like_sequential_decoding(model) -> None:
+    """Drafting ahead: a path is committed together with the draft's subtree below its last node, which
+    the next tree grows from; new nodes under carried ones read the carried KV, and the dropped nodes give
+    their sequences back."""
+    target = model("llama", "f32")
+    vocab = target.vocab_size
+    runner = LlamaCppRunner(target, 256)
+    runner.extend(torch.tensor(PROMPT))  # the draft has the root committed
+    root = len(PROMPT) - 1
+    tree = DraftTree(PROMPT[-1], 128)
+    tree.expanded[0] = True
+    from specexec.drafters.base import tree_forward
+
+    gen = torch.Generator().manual_seed(5)
+    frontier = torch.zeros(1, dtype=torch.long)
+    for _ in range(4):  # every node gets three children; the first two of each are drafted on
+        children = tree.add(
+            frontier.repeat_interleave(3), torch.randint(0, vocab, (3 * len(frontier),), generator=gen)
+        )
+        frontier = children.reshape(-1, 3)[:, :2].flatten()[:6]
+        tree_forward(runner, tree, frontier, root)
+        tree.expanded[frontier] = True
+    path = tree.path_to(int(frontier[0]))[:2]  # two accepted nodes; the second's subtree is kept
+    head, nodes = tree.subtree(int(path[-1]))
+    assert head.expanded[1 : head.size].any(), "test design: drafted nodes below the new root"
+    runner.keep(torch.cat([torch.arange(root + 1), root + path]), subtree=root + nodes[1:])
+    committed = PROMPT + tree.tokens[path].tolist()
+    assert runner.length == len(committed)
+    in_use = {info.sequence for info in runner.slots.values()}
+    assert len(in_use) == int(head.expanded[1 : head.size].sum())  # a sequence per carried drafted node
+    assert len(runner.free_sequences) == MAX_SEQUENCES - 1 - len(in_use)
+    # The next step's new nodes, below every unexpanded carried node.
+    below = torch.nonzero(~head.expanded[: head.size]).flatten()
+    logits = tree_forward(runner, head, below, len(committed) - 1)
+    for node, row in zip(below.tolist(), logits, strict=True):
+        reference = sequential_logits(target, committed + head.tokens[head.path_to(node)].tolist())[-1]
+        assert (row - reference).abs().max() < TOLERANCE["f32"] * reference.abs().max(), node
+    runner.keep(torch.arange(runner.length))
+    assert len(runner.free_sequences) == MAX_SEQUENCES - 1
+
+
 def test_too_many_leaves_is_an_error_not_an_abort(model) -> None:
     target = model("llama", "f32")
     tree = DraftTree(PROMPT[-1], MAX_SEQUENCES + 2)

@@ -20,6 +20,7 @@ from test_llamacpp import FLAT, METHODS, tokenized_gguf  # noqa: F401 (a fixture
 from tiny_gguf import on_storage, synced, write_random_gguf
 
 import specexec
+from specexec.budget import CostModel
 from specexec.sizes import format_bytes
 from specexec.storage import read_bytes
 
@@ -123,6 +124,39 @@ def test_every_method_reproduces_greedy_decoding_streamed(gguf: Path) -> None:
         assert out.tokens == reference, args
         assert sum(out.stats.accepted) > 0, args  # the draft was used
         assert out.stats.cache_bytes > 0, args  # what the stats line reports apart from --ram
+
+
+# A target pass that costs more from 8 tokens on: the auto budget leaves most leaves to draft ahead.
+SMALL_TREES = CostModel({1: 1.0, 8: 1.05, 32: 2.0, 1024: 40.0}, {1: 0.05, 128: 0.1})
+
+
+def test_a_streamed_target_drafts_ahead_by_default_and_stays_exact(gguf: Path) -> None:
+    """Where the target streams, specexec grows the next tree while the target reads its weights; the
+    output is still the target's greedy output, and trees are carried from step to step."""
+    target = LlamaCppModel(gguf, threads=1, ram=0)
+    draft = LlamaCppModel(gguf.with_name("perturbed.gguf"), threads=1)
+    reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=32).tokens
+    for budget in (8, "auto"):
+        cost = {"cost_model": SMALL_TREES} if budget == "auto" else {}
+        out = specexec.generate(
+            target, draft, PROMPT, method="specexec", budget=budget, max_new_tokens=32, **cost
+        )
+        assert out.tokens == reference, budget
+        assert out.stats.ahead_calls > 0, budget
+        # A fixed budget's tree is full, its leaves all expanded: what the draft grows on is carried only
+        # below nodes an auto budget leaves for later.
+        assert out.stats.carried > 0 or budget != "auto", out.stats
+        off = specexec.generate(
+            target,
+            draft,
+            PROMPT,
+            method="specexec",
+            budget=budget,
+            max_new_tokens=32,
+            draft_ahead=False,
+            **cost,
+        )
+        assert off.tokens == reference and off.stats.ahead_calls == 0, budget
 
 
 # -- what is read, what stays -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from tiny_models import tiny_model
 
 from specexec.backends.torch.runner import ModelRunner
 from specexec.drafters import BestFirstDrafter, ChainDrafter, DraftRequest, SampledTreeDrafter
+from specexec.drafters.base import tree_forward
 from specexec.sampling import SamplingParams, probs_from_logits
 from specexec.tree import DraftTree
 
@@ -397,3 +398,74 @@ def test_chain_stops_after_end_of_sequence(draft_model) -> None:
     drafter = ChainDrafter(6)
     tree = drafter.propose(request(ModelRunner(draft_model, CAPACITY), PROMPT, eos=[first])).tree
     assert tree.size == 2 and int(tree.tokens[1]) == first
+
+
+# -- drafting ahead ---------------------------------------------------------------------------------------
+
+
+def test_subtree_is_a_tree_rooted_at_the_node() -> None:
+    for seed in range(10):
+        rng = random.Random(200 + seed)
+        tree = random_tree(rng, rng.randint(2, 40))
+        tree.expanded[: tree.size] = torch.rand(tree.size) < 0.5
+        node = rng.randrange(tree.size)
+        sub, nodes = tree.subtree(node)
+        check_structure(sub)
+        below = [n for n in range(tree.size) if tree.ancestors[n, node]]
+        assert nodes.tolist() == below
+        assert sub.tokens[: sub.size].tolist() == tree.tokens[nodes].tolist()
+        assert sub.depths[: sub.size].tolist() == (tree.depths[nodes] - tree.depths[node]).tolist()
+        assert torch.equal(sub.scores[: sub.size], tree.scores[nodes] - tree.scores[node])
+        assert torch.equal(sub.expanded[: sub.size], tree.expanded[nodes])
+        copy = tree.clone()
+        copy.add(torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+        assert copy.size == tree.size + 1 and not tree.ancestors[tree.size].any(), "clone shares storage"
+
+
+@pytest.mark.parametrize("passes", [3, 6])
+def test_a_step_from_a_tree_drafted_ahead_is_still_exact(draft_model, passes: int) -> None:
+    """The engine's way while the target verifies: grow the tree on, commit a path and the bonus token's
+    node with the subtree below it in the draft cache (`Runner.keep(..., subtree=...)`), and start the
+    next step from that subtree. Its scores match sequential forwards, and so do new nodes below carried
+    ones, which read the KV `keep` moved."""
+    runner = ModelRunner(draft_model, CAPACITY)
+    drafter = BestFirstDrafter(24, 4, 4, max_rounds=3, ahead=True)  # few rounds: leaves left to draft ahead
+    runner.extend(torch.tensor(PROMPT[:-1]))
+    req = request(runner, PROMPT)
+    draft = drafter.propose(req)
+    size = draft.tree.size
+    left = iter(range(passes - 2))  # two passes whatever `verifying` says
+    ahead = drafter.draft_ahead(draft, req, lambda: next(left, None) is not None, most=255)
+    assert ahead is not None and ahead.draft_calls == passes
+    tree = ahead.tree
+    assert tree.size > size and torch.equal(tree.tokens[:size], draft.tree.tokens[:size])
+    check_structure(tree)
+    grown = (tree.expanded[: tree.size] & ~draft.tree.expanded[: tree.size]).nonzero().flatten().tolist()
+    assert len(grown) <= passes * 4
+    for node, logits in path_logits(draft_model, PROMPT, tree, grown).items():
+        children = tree.children(node)
+        expected = tree.scores[node] + torch.log_softmax(logits, -1)[tree.tokens[children]]
+        torch.testing.assert_close(tree.scores[children], expected, atol=TOL, rtol=0)
+    # A verified leaf the draft expanded ahead, and the child of it with the deepest subtree drafted on,
+    # as the bonus token.
+    leaf, bonus = max(
+        ((n, int(c)) for n in grown if n < size for c in tree.children(n)),
+        key=lambda pair: int(tree.subtree(pair[1])[0].expanded.sum()),
+    )
+    head, nodes = tree.subtree(bonus)
+    path = torch.cat([torch.zeros(1, dtype=torch.long), tree.path_to(leaf), nodes[:1]])
+    root_slot = len(PROMPT) - 1
+    runner.keep(torch.cat([torch.arange(root_slot), root_slot + path]), subtree=root_slot + nodes[1:])
+    committed = PROMPT + tree.tokens[path[1:]].tolist()
+    assert runner.length == len(committed)
+    # Nodes below carried nodes other than the root read KV that `keep` moved.
+    below = [n for n in range(1, head.size) if head.depths[n] >= 2 and not head.expanded[n]]
+    assert below, "test design: carried nodes below the new root"
+    moved = tree_forward(runner, head, torch.tensor(below), len(committed) - 1)
+    for row, expected in zip(moved, path_logits(draft_model, committed, head, below).values(), strict=True):
+        torch.testing.assert_close(row.float(), expected, atol=TOL, rtol=0)
+    req2 = request(runner, committed)
+    req2.head_start = head
+    step = drafter.propose(req2)
+    assert step.draft_calls == 0, "a carried tree is verified as it is"
+    check_best_first(draft_model, committed, step.tree, 24, 4, req2)

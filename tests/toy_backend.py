@@ -90,11 +90,16 @@ class ToyRunner(SlotRunner):
             rows = rows[-logits_to_keep:]
         return self._logits(rows)
 
-    def keep(self, slots: torch.Tensor) -> None:
+    def keep(self, slots: torch.Tensor, subtree: torch.Tensor | None = None) -> None:
         kept = [self.records[s][:2] for s in slots.tolist()]
+        below = [] if subtree is None else subtree.tolist()
+        renamed = {s: i for i, s in enumerate(slots.tolist() + below)}
+        moved = {renamed[s]: self.records[s] for s in below}
         self.records = {
             i: (token, position, frozenset(range(i + 1))) for i, (token, position) in enumerate(kept)
         }
+        for slot, (token, position, seen) in moved.items():
+            self.records[slot] = (token, position, frozenset(renamed[v] for v in seen))
         self.length = len(kept)
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:

@@ -28,6 +28,7 @@ def _budget(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
+DRAFT_AHEAD = {"auto": None, "on": True, "off": False}  # --draft-ahead: `Settings.draft_ahead`
 NGRAM_HELP = (
     "specexec: graft prompt-lookup chains of up to N tokens into each tree, free of draft cost (0 = off)"
 )
@@ -74,13 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_method_args(parser: argparse.ArgumentParser, budget_help: str) -> None:
-    """--method, --budget, --lookahead-schedule and --ngram: one generation's method (generate, serve)."""
+    """--method, --budget, --lookahead-schedule, --ngram and --draft-ahead: one generation's method
+    (generate, serve)."""
     parser.add_argument("--method", choices=list(METHODS), default="specexec")
     parser.add_argument("--budget", type=_budget, default=None, help=budget_help)
     parser.add_argument(
         "--lookahead-schedule", choices=("constant", "heuristic"), default="constant", help="sd only"
     )
     parser.add_argument("--ngram", type=non_negative_int, default=0, help=NGRAM_HELP)
+    parser.add_argument(
+        "--draft-ahead",
+        choices=tuple(DRAFT_AHEAD),
+        default="auto",
+        help="specexec: grow the next tree while the target verifies (auto: when --ram streams the target)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +163,7 @@ def _generate(args: argparse.Namespace) -> int:
         budget=args.budget,
         lookahead_schedule=args.lookahead_schedule,
         ngram=args.ngram,
+        draft_ahead=DRAFT_AHEAD[args.draft_ahead],
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

@@ -4,6 +4,7 @@ commit; `stream` is a thin loop over it. What differs between methods lives in `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -13,7 +14,7 @@ from specexec.backends.base import Model, Runner, prefill
 from specexec.budget import AutoBudget, ChainCostStop, ConfidenceStop, CostModel
 from specexec.calibration import cached_cost_model
 from specexec.drafters import Drafter, DraftRequest
-from specexec.drafters.base import tree_forward
+from specexec.drafters.base import Draft, tree_forward
 from specexec.learnt import LearntPolicies
 from specexec.methods import DSL_MAX_LENGTH, DraftOptions, Method, UnknownMethod, method, not_for
 from specexec.models import eos_token_ids
@@ -21,6 +22,7 @@ from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams
 from specexec.text import TextStream
 from specexec.timing import clock
+from specexec.tree import DraftTree
 
 AUTO_MAX_BUDGET = 1024  # the largest tree budget "auto" considers
 
@@ -38,9 +40,12 @@ class Stats:
     cached_tokens: int = 0  # prompt tokens whose target KV came from the prefix cache
     new_tokens: int = 0
     target_calls: int = 0  # verification forwards, prefill excluded
-    draft_calls: int = 0  # draft forwards, prefill excluded
+    draft_calls: int = 0  # draft forwards before verification, prefill excluded
+    ahead_calls: int = 0  # draft forwards while the target verified (`Settings.draft_ahead`)
+    carried: int = 0  # draft nodes that steps started with, grown while the step before was verified
     prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0  # inside the draft model's forwards
+    draft_seconds: float = 0.0  # inside the draft model's forwards, but those beside verification
+    ahead_seconds: float = 0.0  # inside the draft's forwards while the target verified (within its time)
     target_seconds: float = 0.0  # inside the target model's forwards
     decode_seconds: float = 0.0  # everything after prefill: draft + target + overhead
     tree_sizes: list[int] = field(default_factory=list)  # draft tokens verified per step
@@ -94,7 +99,9 @@ class Settings:
     specexec and dsl: every step sized by the cost model and the acceptances seen so far). `expand`,
     `width`, `max_rounds`, `branches`, `ngram` and `lookahead_schedule` shape the drafts of the methods
     that read them (`specexec.methods.DraftOptions`); `confidence_threshold` and `adapt_threshold` are
-    dsl's confidence stop. Temperature 0 is greedy. A generation stops at an end-of-sequence id (by
+    dsl's confidence stop. `draft_ahead` (specexec): the draft grows the next tree on while the target
+    verifies, on another thread; None: where the target's weights stream from disk, whose passes leave
+    the CPU mostly idle. Temperature 0 is greedy. A generation stops at an end-of-sequence id (by
     default every one the target lists), after `max_new_tokens`, or when its text contains one of
     `stop_strings`.
     """
@@ -114,14 +121,16 @@ class Settings:
     lookahead_schedule: str = "constant"
     confidence_threshold: float = 0.4
     adapt_threshold: bool = True
+    draft_ahead: bool | None = None
     eos_token_id: int | Sequence[int] | None = None
     stop_strings: Sequence[str] = ()
 
-    @property
-    def draft_options(self) -> DraftOptions:
+    def draft_options(self, draft_ahead: bool) -> DraftOptions:
+        """The drafter's options, `draft_ahead` resolved for the target (`_draft_ahead`)."""
         return DraftOptions(
-            self.expand, self.width, self.max_rounds, self.branches, self.ngram, self.lookahead_schedule
-        )
+            self.expand, self.width, self.max_rounds, self.branches, self.ngram, self.lookahead_schedule,
+            draft_ahead,
+        )  # fmt: skip
 
 
 SETTINGS = frozenset(f.name for f in fields(Settings))
@@ -225,7 +234,8 @@ class Generation:
         self.eos = torch.tensor(eos, dtype=torch.long, device=device)
         self.vocab_size = as_model(target).vocab_size
         self.text = TextStream(tokenizer, settings.stop_strings) if settings.stop_strings else None
-        self.drafter = _drafter(self.method, settings, target, draft, cost_model, learnt)
+        self.draft_ahead = "draft_ahead" in self.method.options and _draft_ahead(settings.draft_ahead, target)
+        self.drafter = _drafter(self.method, settings, self.draft_ahead, target, draft, cost_model, learnt)
         self.stats = Stats(method=self.method.name, prompt_tokens=self.prompt.numel())
         self.committed = self.prompt
         # Committed tokens plus scratch slots for the largest tree a step can build, in both caches; the
@@ -235,6 +245,8 @@ class Generation:
         # The draft is prefilled unless no step can draft: catching up later costs the same draft work
         # inside decoding (and, on llama.cpp, new tree contexts mid-generation).
         self.drafting = self.pair_draft is not None and self.drafter.may_draft(steps=self.max_new_tokens)
+        self.head_start: DraftTree | None = None  # the next step's tree, grown while this one verified
+        self._verifier: ThreadPoolExecutor | None = None  # runs target passes beside the draft
         self.prefix_cache = prefix_cache
         self.resumable = False  # whether the runners hold exactly `committed` (up to their lengths)
         self.target_runner, self.draft_runner = self._runners()
@@ -278,21 +290,23 @@ class Generation:
         self.resumable = False
         self._make_room()
         remaining = self.max_new_tokens - self.stats.new_tokens
-        proposal = self.drafter.propose(
-            DraftRequest(
-                self.committed, remaining - 1, self.eos, self.vocab_size, self.sampling, self.generator,
-                self.draft_runner,
-            )
+        request = DraftRequest(
+            self.committed, remaining - 1, self.eos, self.vocab_size, self.sampling, self.generator,
+            self.draft_runner, self.head_start,
         )  # fmt: skip
+        carried = self.head_start.size - 1 if self.head_start is not None else 0
+        self.head_start = None
+        proposal = self.drafter.propose(request)
         tree = proposal.tree
         root_slot = self.committed.numel() - 1
-        nodes = torch.arange(tree.size, device=self.prompt.device)
-        logits = tree_forward(self.target_runner, tree, nodes, root_slot)  # (size, V)
+        logits, ahead = self._verify(proposal, request, root_slot)  # (size, V)
         path, bonus = self.method.rule(tree, logits, proposal, self.sampling, self.generator)
         path_nodes = torch.tensor([0, *path], dtype=torch.long, device=self.prompt.device)
-        self._commit(tree, root_slot, path_nodes)
+        self._commit(ahead.tree if ahead else tree, root_slot, path_nodes, bonus)
         self.drafter.observe(proposal, path)
         self._count(tree, proposal.draft_calls, len(path))
+        self.stats.carried += carried
+        self.stats.ahead_calls += ahead.draft_calls if ahead else 0
         new, finish = _cut([*tree.tokens[path_nodes[1:]].tolist(), bonus], self.eos, remaining, self.text)
         self.stats.new_tokens += len(new)
         self.committed = torch.cat(
@@ -305,6 +319,9 @@ class Generation:
     def release(self) -> None:
         """Put the runners in the prefix cache with the committed tokens, if they hold exactly those (after
         a step or a prefill, not after an error, when a forward may have stopped half way)."""
+        if self._verifier is not None:
+            self._verifier.shutdown()
+            self._verifier = None
         if self.prefix_cache is not None and self.resumable:
             self.prefix_cache.put(
                 self.committed.tolist(), self.target, self.pair_draft, self.target_runner, self.draft_runner
@@ -320,20 +337,55 @@ class Generation:
         for runner in self._live_runners():
             runner.reserve(self.committed.numel() + self.drafter.max_tree_size, most=self.capacity)
 
-    def _commit(self, tree, root_slot: int, path_nodes: torch.Tensor) -> None:
+    def _verify(
+        self, proposal: Draft, request: DraftRequest, root_slot: int
+    ) -> tuple[torch.Tensor, Draft | None]:
+        """The target's logits (size, V) for the proposal's tree and, when drafting ahead, the tree the
+        draft grew on meanwhile (its first nodes the proposal's, numbered alike)."""
+        tree = proposal.tree
+        nodes = torch.arange(tree.size, device=self.prompt.device)
+        draft = self.draft_runner
+        if not self.draft_ahead or draft is None or not bool(tree.expanded[0]):
+            return tree_forward(self.target_runner, tree, nodes, root_slot), None
+        self._verifier = self._verifier or ThreadPoolExecutor(1, thread_name_prefix="specexec-verify")
+        verified: Future = self._verifier.submit(_verify_beside, self.target_runner, tree, nodes, root_slot)
+        before = draft.forward_seconds
+        draft.share_cpu(True)
+        try:
+            most = tree_leaf_limit(self.target, self.pair_draft)[0]
+            ahead = self.drafter.draft_ahead(proposal, request, lambda: not verified.done(), most)
+        finally:
+            draft.share_cpu(False)
+            wait([verified])  # an error drafting ahead waits for the pass: the runner is in use until then
+            self.stats.ahead_seconds += draft.forward_seconds - before
+        return verified.result(), ahead
+
+    def _commit(self, tree: DraftTree, root_slot: int, path_nodes: torch.Tensor, bonus: int) -> None:
         """The root and the accepted path stay in the target cache, and in the draft cache as far as the
-        draft expanded them; the bonus token becomes the next root."""
+        draft expanded them; the bonus token becomes the next root. Where the draft grew that token's node
+        while verifying (`tree` beyond the verified nodes), its subtree stays in the draft cache too and
+        becomes the next step's head start."""
         self.target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
-        if self.draft_runner is not None:
+        if self.draft_runner is None:
+            return
+        draft_root = self.draft_runner.slot(root_slot)
+        prefix = min(self.draft_runner.length, draft_root)
+        end = int(path_nodes[-1])
+        children = tree.children(end)
+        below = children[(tree.tokens[children] == bonus) & tree.expanded[children]]
+        if not below.numel():
             seen = path_nodes[tree.expanded[path_nodes]]
-            draft_root = self.draft_runner.slot(root_slot)
-            self.draft_runner.keep(_with_prefix(min(self.draft_runner.length, draft_root), draft_root + seen))
+            self.draft_runner.keep(_with_prefix(prefix, draft_root + seen))
+            return
+        self.head_start, nodes = tree.subtree(int(below[0]))
+        path = torch.cat([path_nodes, nodes[:1]])  # the root, the accepted path, the bonus token's node
+        self.draft_runner.keep(_with_prefix(prefix, draft_root + path), subtree=draft_root + nodes[1:])
 
     def _count(self, tree, draft_calls: int, accepted: int) -> None:
         stats = self.stats
         draft = self.draft_runner
         stats.target_seconds = self.target_runner.forward_seconds
-        stats.draft_seconds = draft.forward_seconds if draft is not None else 0.0
+        stats.draft_seconds = draft.forward_seconds - stats.ahead_seconds if draft is not None else 0.0
         stats.cache_bytes = self.target_runner.nbytes + (draft.nbytes if draft is not None else 0)
         stats.target_calls += 1
         stats.draft_calls += draft_calls
@@ -375,6 +427,8 @@ def _checked(settings: Settings, target, draft, tokenizer) -> Method:
         )
     if ngram and "ngram" not in chosen.options:
         raise GenerationError(not_for(chosen.name, "ngram grafting", "ngram"))
+    if settings.draft_ahead and "draft_ahead" not in chosen.options:
+        raise GenerationError(not_for(chosen.name, "draft_ahead", "draft_ahead"))
     if settings.stop_strings and tokenizer is None:
         raise GenerationError("stop_strings need a tokenizer")
     try:
@@ -394,12 +448,15 @@ def _check_window(prompt: torch.Tensor, max_new_tokens: int, target) -> None:
         )
 
 
-def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel | None, learnt) -> Drafter:
+def _drafter(
+    chosen: Method, settings: Settings, draft_ahead: bool, target, draft, cost: CostModel | None, learnt
+) -> Drafter:
     """The method's drafter; an "auto" budget becomes its cost policy (kept in `learnt` if given)."""
     budget = chosen.default_budget if settings.budget is None else settings.budget
+    options = settings.draft_options(draft_ahead)
     confidence = ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
     if budget != "auto":
-        return chosen.make_drafter(budget, settings.draft_options, confidence, None)
+        return chosen.make_drafter(budget, options, confidence, None)
     cost = cost or cached_cost_model(target, draft)
     max_budget = min(AUTO_MAX_BUDGET, tree_leaf_limit(target, draft)[0] - 2 * settings.ngram)
     make = (
@@ -415,9 +472,9 @@ def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel 
     else:
         policy = make()
     if not chosen.chain:
-        return chosen.make_drafter(policy, settings.draft_options, confidence, None)
+        return chosen.make_drafter(policy, options, confidence, None)
     policy.start()  # a chain cut short by the last generation's end is not this one's
-    return chosen.make_drafter(DSL_MAX_LENGTH, settings.draft_options, confidence, policy)
+    return chosen.make_drafter(DSL_MAX_LENGTH, options, confidence, policy)
 
 
 def tree_leaf_limit(*models) -> tuple[int, str]:
@@ -425,6 +482,20 @@ def tree_leaf_limit(*models) -> tuple[int, str]:
     and the runtime that sets it."""
     limits = [(m.max_tree_leaves, m.runtime) for m in map(as_model, filter(None, models))]
     return min(((n, runtime) for n, runtime in limits if n is not None), default=(1 << 30, ""))
+
+
+def _draft_ahead(asked: bool | None, target) -> bool:
+    """`Settings.draft_ahead` for `target`: as asked, or (None) where its weights stream from disk."""
+    if asked is not None:
+        return asked
+    memory = as_model(target).memory()
+    return memory is not None and memory.streamed > 0
+
+
+@torch.inference_mode()
+def _verify_beside(runner: Runner, tree: DraftTree, nodes: torch.Tensor, root_slot: int) -> torch.Tensor:
+    """`tree_forward` on the verifying thread (inference mode is per thread)."""
+    return tree_forward(runner, tree, nodes, root_slot)
 
 
 def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:

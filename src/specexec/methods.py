@@ -30,6 +30,9 @@ class DraftOptions:
     branches: int = 4
     ngram: int = 0
     lookahead_schedule: str = "constant"
+    # Grow the next tree while the target verifies (`Drafter.draft_ahead`): for the cache walk only,
+    # which is exact whatever the tree.
+    draft_ahead: bool = False
 
 
 # The acceptance rule of a step: (tree, target logits, the draft, sampling, generator) -> (path, bonus).
@@ -137,11 +140,11 @@ METHODS: dict[str, Method] = {
             "node, at most `max_rounds` draft passes), verified by the cache walk; with `ngram` > 0, "
             "prompt-lookup chains of up to `ngram` tokens are grafted into the tree",
             lambda budget, options, confidence, cost_stop: BestFirstDrafter(
-                budget, options.expand, options.width, options.max_rounds, options.ngram
+                budget, options.expand, options.width, options.max_rounds, options.ngram, options.draft_ahead
             ),
             walk_cache,
             "auto",
-            options=("expand", "width", "max_rounds", "ngram"),
+            options=("expand", "width", "max_rounds", "ngram", "draft_ahead"),
             auto=True,
             tree=True,
         ),

@@ -59,6 +59,30 @@ class DraftTree:
         self.ancestors[:n, n : self.size] = False
         self.size = n
 
+    def clone(self) -> DraftTree:
+        tree = DraftTree.__new__(DraftTree)
+        tree.capacity, tree.size = self.capacity, self.size
+        for name in ("tokens", "parents", "depths", "scores", "ancestors", "expanded"):
+            setattr(tree, name, getattr(self, name).clone())
+        return tree
+
+    def subtree(self, node: int) -> tuple[DraftTree, torch.Tensor]:
+        """`node` and its descendants as a tree of their own, rooted at `node` (depths and scores counted
+        from it), and their indices here in the new tree's order (ascending: still topological)."""
+        nodes = self.ancestors[: self.size, node].nonzero().squeeze(-1)  # (n,) node first
+        n = nodes.numel()
+        tree = DraftTree(int(self.tokens[node]), self.capacity, self.tokens.device)
+        remap = torch.full((self.capacity,), -1, dtype=torch.long, device=nodes.device)
+        remap[nodes] = torch.arange(n, device=nodes.device)
+        tree.parents[1:n] = remap[self.parents[nodes[1:]]]
+        tree.tokens[:n] = self.tokens[nodes]
+        tree.depths[:n] = self.depths[nodes] - self.depths[node]
+        tree.scores[:n] = self.scores[nodes] - self.scores[node]
+        tree.expanded[:n] = self.expanded[nodes]
+        tree.ancestors[:n, :n] = self.ancestors[nodes[:, None], nodes[None, :]]
+        tree.size = n
+        return tree, nodes
+
     def children(self, node: int) -> torch.Tensor:
         """Indices of `node`'s children in the order they were added (the drafter's sampling order)."""
         return (self.parents[: self.size] == node).nonzero().squeeze(-1)

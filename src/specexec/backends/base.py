@@ -57,14 +57,19 @@ class Runner(Protocol):
         """Forward tokens (n,) at `positions` into KV `slots` where row i attends to slot j < width with
         allowed[i, j] (n, width); logits (m, V) for `logits_to_keep` (0 all, k last k, or row indices)."""
 
-    def keep(self, slots: torch.Tensor) -> None:
-        """Make the cache hold exactly `slots` (in order) at [0, len(slots)): the new committed length."""
+    def keep(self, slots: torch.Tensor, subtree: torch.Tensor | None = None) -> None:
+        """Make the cache hold exactly `slots` (in order) at [0, len(slots)): the new committed length.
+        `subtree`: tree slots below the last kept one (ascending, ancestor-closed) whose KV moves to the
+        slots right after it, where the next step's tree, rooted at that last slot, finds them."""
 
     def keep_prefix(self, tokens: int) -> None:
         """Keep the cache of the first `tokens` committed tokens only."""
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:
         """Copy the KV of slots `src` (in order) to [dst_start, dst_start + len(src))."""
+
+    def share_cpu(self, shared: bool) -> None:
+        """While `shared`, forwards run beside another model's pass (fewer threads where that helps)."""
 
 
 @runtime_checkable
@@ -171,8 +176,11 @@ class SlotRunner:
         self.keep(torch.arange(kept, device=self.device))
         self.skipped = 0
 
-    def keep(self, slots: torch.Tensor) -> None:
+    def keep(self, slots: torch.Tensor, subtree: torch.Tensor | None = None) -> None:
         raise NotImplementedError
+
+    def share_cpu(self, shared: bool) -> None:
+        """Torch sizes its thread pool per process, not per model: nothing to change."""
 
 
 def grown_capacity(capacity: int, slots: int, most: int | None) -> int:

@@ -69,6 +69,16 @@ def _ngrams(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def _draft_aheads(text: str) -> list[bool | None]:
+    from specexec.bench.errors import BenchError
+
+    choices = {"auto": None, "on": True, "off": False}
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part in choices for part in parts):
+        raise BenchError(f"--draft-ahead: {text!r} is not a comma-separated list of auto, on and off")
+    return list(dict.fromkeys(choices[part] for part in parts))
+
+
 def add_bench_parser(subcommands) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to an `add_subparsers()` object; returns its parser."""
     p = subcommands.add_parser(
@@ -167,6 +177,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         type=_type(_ngrams),
         default=[0],
         help="specexec: prompt-lookup tokens grafted per chain, a comma-separated list (default 0 = off)",
+    )
+    p.add_argument(
+        "--draft-ahead",
+        type=_type(_draft_aheads),
+        default=[None],
+        help="specexec: grow the next tree while the target verifies, a comma-separated list of auto, on "
+        "and off (default auto: where --ram streams the target)",
     )
 
 
@@ -282,6 +299,7 @@ def _configs(args: argparse.Namespace, vocabs: list[int]) -> list[BenchConfig]:
         quants=args.quant,
         draft_vocabs=vocabs,
         ngrams=args.ngram,
+        draft_aheads=args.draft_ahead,
         dsl_budgets=args.dsl_budgets,
         llamacpp_spec_budgets=args.llamacpp_spec_budgets,
     )

@@ -26,6 +26,7 @@ Timing protocol (same clock, `specexec.timing.clock`, for every method):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -80,6 +81,7 @@ class BenchConfig:
     quant: str = "none"  # which loaded pair runs it
     ngram: int | None = None  # specexec only: prompt-lookup tokens grafted per chain (0 = off)
     draft_vocab: int = 0  # methods with a draft: the token ids it scores (`--draft-vocab`; 0 = all)
+    draft_ahead: bool | None = None  # specexec only: `Settings.draft_ahead` (None: where --ram streams)
 
     def __post_init__(self) -> None:
         if self.method not in BENCH_METHODS:
@@ -92,6 +94,8 @@ class BenchConfig:
             raise BenchError(f"method {self.method!r} takes no --draft-vocab")
         if self.draft_vocab < 0:
             raise BenchError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
+        if self.draft_ahead is not None and self.method != "specexec":
+            raise BenchError(f"method {self.method!r} takes no draft_ahead")
         if self.budget == "auto" and self.method not in AUTO_METHODS:
             raise BenchError(f"budget 'auto' is for specexec and dsl only, not {self.method!r}")
         if (
@@ -122,6 +126,7 @@ class BenchConfig:
     def label(self) -> str:
         label = self.method if self.budget is None else f"{self.method}@{self.budget}"
         label += f"+ngram{self.ngram}" if self.ngram else ""
+        label += "" if self.draft_ahead is None else "+ahead" if self.draft_ahead else "+no-ahead"
         label += f"/dv{self.draft_vocab}" if self.draft_vocab else ""
         return label + (f"/{self.quant}" if self.quant != "none" else "")
 
@@ -136,6 +141,7 @@ class BenchConfig:
             "quant": self.quant,
             "ngram": self.ngram,
             "draft_vocab": self.draft_vocab,
+            "draft_ahead": self.draft_ahead,
         }
 
 
@@ -185,6 +191,7 @@ def make_configs(
     dsl_budgets: Sequence[int | str] = DEFAULT_DSL_BUDGETS,
     llamacpp_spec_budgets: Sequence[int] = DEFAULT_LLAMACPP_SPEC_BUDGETS,
     draft_vocabs: Sequence[int] = (0,),
+    draft_aheads: Sequence[bool | None] = (None,),
 ) -> list[BenchConfig]:
     """Expand quantization levels x methods x budgets into configurations; `ar` (the reference) is always
     included, first in each level. The engine's drafted methods run once per `draft_vocabs` entry (the
@@ -192,7 +199,8 @@ def make_configs(
 
     sd runs once per `sd_budgets` entry (its draft length), dsl once per `dsl_budgets` entry ("auto" or
     the longest confidence-stopped chain), specinfer once per `specinfer_budgets` entry (default:
-    `budgets` without "auto"), specexec once per `budgets` x `ngrams` entry; ar and the HF methods run
+    `budgets` without "auto"), specexec once per `budgets` x `ngrams` x `draft_aheads` entry (None: drafting
+    ahead where --ram streams the target, `Settings.draft_ahead`); ar and the HF methods run
     once per level; llamacpp runs once and llamacpp-spec once per `llamacpp_spec_budgets` entry (their
     own weights).
     """
@@ -203,7 +211,7 @@ def make_configs(
     configs = []
     for quant in dict.fromkeys(quants):
         budget_lists = (budgets, sd_budgets, dsl_budgets, specinfer_budgets, llamacpp_spec_budgets)
-        level = _level_configs(methods, *budget_lists, expand, width, branches, quant, ngrams)
+        level = _level_configs(methods, *budget_lists, expand, width, branches, quant, ngrams, draft_aheads)
         for config in level:
             if config.method not in ENGINE_DRAFT_METHODS:
                 configs.append(config)
@@ -224,6 +232,7 @@ def _level_configs(
     branches,
     quant,
     ngrams,
+    draft_aheads,
 ) -> list[BenchConfig]:
     methods = list(dict.fromkeys(["ar", *methods]))
     per_method = {
@@ -244,8 +253,10 @@ def _level_configs(
             raise BenchError(f"method {method!r} needs at least one budget")
         for budget in per_method[method]:
             if method == "specexec":
-                for n in dict.fromkeys(ngrams):
-                    configs.append(BenchConfig(method, budget, expand, width, quant=quant, ngram=n))
+                for n, ahead in itertools.product(dict.fromkeys(ngrams), dict.fromkeys(draft_aheads)):
+                    configs.append(
+                        BenchConfig(method, budget, expand, width, quant=quant, ngram=n, draft_ahead=ahead)
+                    )
             elif method == "specinfer":
                 configs.append(BenchConfig(method, budget, branches=branches, quant=quant))
             elif method in EXTERNAL_METHODS:
@@ -408,7 +419,7 @@ def _timed_runs(
 
 def _config_of(record: dict) -> BenchConfig:
     keys = ("method", "budget", "expand", "width", "branches", "quant", "ngram", "draft_vocab")
-    return BenchConfig(**{k: record[k] for k in keys})
+    return BenchConfig(**{k: record[k] for k in keys}, draft_ahead=record.get("draft_ahead"))
 
 
 def _check(
@@ -486,7 +497,10 @@ def _run_engine(
 ) -> dict:
     shape = {}
     if config.method == "specexec":
-        shape = {"expand": config.expand, "width": config.width, "ngram": config.ngram}
+        shape = {
+            "expand": config.expand, "width": config.width, "ngram": config.ngram,
+            "draft_ahead": config.draft_ahead,
+        }  # fmt: skip
     elif config.method == "specinfer":
         shape = {"branches": config.branches}
     start = clock(target.device)
@@ -519,6 +533,9 @@ def _run_engine(
         "wall_seconds": wall,
         "draft_seconds": stats.draft_seconds,
         "target_seconds": stats.target_seconds,
+        "ahead_calls": stats.ahead_calls,
+        "ahead_seconds": stats.ahead_seconds,
+        "carried": stats.carried,
         "tree_sizes": list(stats.tree_sizes),
         "tree_depths": list(stats.tree_depths),
         "accepted": list(stats.accepted),

@@ -52,7 +52,10 @@ _SUMS = (
     "draft_seconds",
     "target_seconds",
 )
-_CONFIG_KEYS = ("label", "method", "budget", "expand", "width", "branches", "quant", "ngram", "draft_vocab")
+_CONFIG_KEYS = (
+    "label", "method", "budget", "expand", "width", "branches", "quant", "ngram", "draft_vocab",
+    "draft_ahead",
+)  # fmt: skip
 _SETTING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +39,9 @@ class DraftRequest:
     sampling: SamplingParams
     generator: torch.Generator | None
     runner: Runner | None  # the draft model's runner (None for `ar`)
+    # A tree the draft already grew from this root while the last step was verified (`draft_ahead`), its
+    # expanded nodes' KV in place in the runner; None: draft from scratch.
+    head_start: DraftTree | None = None
 
 
 def plain_step(request: DraftRequest) -> Draft:
@@ -55,6 +58,10 @@ class Drafter(Protocol):
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None: ...
 
+    def draft_ahead(
+        self, draft: Draft, request: DraftRequest, verifying: Callable[[], bool], most: int
+    ) -> Draft | None: ...
+
 
 class DrafterBase:
     """Default behaviour: drafters that do not learn from verification results ignore them."""
@@ -70,6 +77,16 @@ class DrafterBase:
 
     def observe(self, draft: Draft, path: Sequence[int]) -> None:
         """Called after each verification with the accepted tree nodes, root excluded, in order."""
+
+    def draft_ahead(
+        self, draft: Draft, request: DraftRequest, verifying: Callable[[], bool], most: int
+    ) -> Draft | None:
+        """While `verifying()` (the target checks `draft` on another thread), grow a copy of its tree
+        further (its first nodes `draft`'s, numbered alike), with at most `most` nodes expanded (the
+        draft cache's limit); the next step starts from the part below the token the verification ends
+        on, if the copy has it (`DraftTree.subtree`). None: nothing grown.
+        """
+        return None
 
 
 class TreeDraftRunner:
@@ -119,7 +136,7 @@ class TreeDraftRunner:
 
     def keep_nodes(self, nodes: torch.Tensor) -> None:
         """Renumber the tree to `nodes` and move their draft KV along with them (if any was computed)."""
-        if self.calls:
+        if self.tree.expanded[0]:
             self.runner.move(self.root_slot + nodes, self.root_slot)
         self.tree.keep(nodes)
 

@@ -176,9 +176,11 @@ class LlamaCppRunner(SlotRunner):
                 seq_cp(self.memory, anchor, sequence, -1, position_list[i])
         return self._decode_into(slot_list, position_list, rows, depths, parents, tokens, logits_to_keep)
 
-    def keep(self, slots: torch.Tensor) -> None:
+    def keep(self, slots: torch.Tensor, subtree: torch.Tensor | None = None) -> None:
         """Make the committed sequence exactly `slots`: a prefix of the committed slots, then (if the
-        whole committed sequence is kept) a path of tree slots in order."""
+        whole committed sequence is kept) a path of tree slots in order. `subtree`: tree slots below the
+        path's last one (ascending), renumbered to follow the new committed sequence; the other tree
+        slots are dropped."""
         slot_list = slots.tolist()
         k = 0
         while k < len(slot_list) and k < self.length and slot_list[k] == k:
@@ -197,7 +199,24 @@ class LlamaCppRunner(SlotRunner):
         elif k < self.length:
             llama_cpp.llama_memory_seq_rm(memory, 0, k, -1)
         self.length = k + len(tail)
-        self._drop_tree()
+        if subtree is None or not subtree.numel():
+            self._drop_tree()
+            return
+        if not tail or self.sequences < MAX_SEQUENCES:
+            raise LlamaCppError("llama.cpp backend: a kept subtree must hang below a kept tree path")
+        below = subtree.tolist()  # some may hold nothing yet (nodes not forwarded)
+        held = [s for s in below if s in self.slots]
+        if any(self.slots[s].parent not in (tail[-1], *below) for s in held) or min(below) < self.length:
+            raise LlamaCppError("llama.cpp backend: a kept subtree must hang below the kept path's end")
+        # Each subtree slot's own sequence holds the committed cells and its ancestors': once the path is
+        # in sequence 0 too, every other slot can go, the path's included.
+        for slot in [s for s in self.slots if s not in set(held)]:
+            self._release(slot)
+        for slot in held:
+            info = self.slots[slot]
+            info.depth -= len(tail)
+            info.parent = None if info.parent == tail[-1] else info.parent
+        self.move(subtree, self.length)
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:
         """Renumber tree slots: slot src[j] becomes dst_start + j; every other slot at or above
@@ -216,6 +235,13 @@ class LlamaCppRunner(SlotRunner):
             if info.parent is not None:
                 info.parent = renamed.get(info.parent, info.parent)
         self.slots.update(moved)
+
+    def share_cpu(self, shared: bool) -> None:
+        """One thread while `shared`: beside a streamed target's pass, which mostly waits for the disk,
+        one draft thread ran as fast as alone and left the target's pass as fast (2 cores; two threads
+        contended with the target's)."""
+        threads = 1 if shared else self.model.threads
+        self.llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
 
     # Internals.
 

@@ -230,9 +230,10 @@ class ModelRunner(SlotRunner):
         self.forward_seconds += clock(self.device) - start
         return logits
 
-    def keep(self, slots: torch.Tensor) -> None:
-        """Make the cache hold exactly `slots` (in order) at [0, len(slots)); the new committed length."""
-        self.move(slots, 0)
+    def keep(self, slots: torch.Tensor, subtree: torch.Tensor | None = None) -> None:
+        """Make the cache hold exactly `slots` (in order) at [0, len(slots)); the new committed length.
+        `subtree`'s slots move right after them (`base.Runner.keep`)."""
+        self.move(slots if subtree is None else torch.cat([slots, subtree]), 0)
         self.length = slots.numel()
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:
