@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 from collections import deque
@@ -328,6 +329,19 @@ def test_calibration_does_not_time_sizes_that_cannot_pay(models, monkeypatch) ->
     assert max(cost.target) == 32 and max(cost.draft) == 32  # 32 costs 32 > 20 passes; 64 never ran
     assert max(n for n in seen if n != 256) == 32  # 256: the context
     assert cost.target_seconds(64) == pytest.approx(3.2)
+
+
+def test_a_slow_target_is_timed_every_round_at_the_sizes_trees_use(models, monkeypatch) -> None:
+    """Slow models (a one-token forward of SLOW_FORWARD or more, as a streamed target's): sizes up to
+    SLOW_REPEATED are timed in every round, larger ones once."""
+    from specexec import calibration
+
+    cost, seen = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.5 + 0.001 * n)
+    assert max(cost.target) == 1024  # flat: every size pays
+    timed = collections.Counter(seen[len(calibration.TARGET_SIZES) + len(calibration.DRAFT_SIZES) + 2 :])
+    for n in (3, 64):
+        assert timed[n] == 6, timed  # three rounds, target and draft
+    assert timed[128] == 2 and timed[256] == 1, timed  # once per model (the draft stops at 128)
 
 
 def chain_length(stop: ChainCostStop, confidence: float, limit: int = 20) -> int:

@@ -3,7 +3,7 @@ another thread, and the next step starts from the subtree below the token the ve
 
 The cache walk is exact whatever the tree, so outputs must not change; the tests check that, that trees
 really are carried over (a feature that never carried would pass the exactness tests alone), and the
-errors. Streamed llama.cpp targets, where it is on by default, are covered in test_stream.py.
+errors. Streamed llama.cpp targets, the case it is for, are covered in test_stream.py.
 """
 
 from __future__ import annotations
@@ -52,14 +52,11 @@ def test_greedy_output_is_the_targets_and_trees_are_carried(arch: str, kind: str
         assert stats.carried > 0
 
 
-def test_off_it_drafts_nothing_ahead_and_carries_nothing() -> None:
+def test_by_default_it_drafts_nothing_ahead_and_carries_nothing() -> None:
     target, draft = pair("llama", "self")
-    for asked in (False, None):  # None: only where the target's weights stream, not here
-        out = specexec.generate(
-            target, draft, PROMPT, method="specexec", budget=8, max_new_tokens=NEW, draft_ahead=asked
-        )
-        assert out.tokens == list(reference("llama"))
-        assert out.stats.ahead_calls == 0 and out.stats.carried == 0 and out.stats.ahead_seconds == 0.0
+    out = specexec.generate(target, draft, PROMPT, method="specexec", budget=8, max_new_tokens=NEW)
+    assert out.tokens == list(reference("llama"))
+    assert out.stats.ahead_calls == 0 and out.stats.carried == 0 and out.stats.ahead_seconds == 0.0
 
 
 def test_carrying_saves_draft_passes() -> None:

@@ -25,10 +25,14 @@ DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 # cost model extrapolates past the last one timed.
 REPAY_LIMIT = 20
 # A model whose one-token forward takes this long (seconds: a target streamed from disk) is timed in one
-# round: its forwards are long against the machine's drift, and three rounds would take minutes.
+# round above SLOW_REPEATED tokens: its forwards are long against the machine's drift, and three rounds of
+# every size would take minutes. Sizes up to SLOW_REPEATED still take every round: their differences
+# decide tree sizes, and one streamed pass varies by 20% (one round of them made the 1.5B target at
+# --ram 0 look 25% dearer for 3 tokens than for 2, and the auto budget verify 1-node trees).
 SLOW_FORWARD = 0.25
+SLOW_REPEATED = 64
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
-CALIBRATION_FORMAT = "paired-ratios"
+CALIBRATION_FORMAT = "paired-ratios-slow-repeated"
 
 
 def calibrate(
@@ -44,7 +48,8 @@ def calibrate(
     Each sample of size n is taken right after a one-token forward of the same model and kept as the
     ratio of the two: this machine's speed drifts (other tenants, clocks), often by tens of percent
     within a minute, and a drift must move the whole curve, not the ratios the policies weigh sizes by.
-    A model whose one-token forward takes SLOW_FORWARD or more is sampled in one round only. A size's
+    A model whose one-token forward takes SLOW_FORWARD or more is sampled in one round only above
+    SLOW_REPEATED tokens. A size's
     cost is then the median of its `repeats` ratios (2 from 256 tokens up, where a run is long
     and steady) times the model's one-token cost, the median of all its one-token samples.
 
@@ -97,7 +102,7 @@ def calibrate(
                         break
         slow = {name for name, ones_ in warm.items() if ones_ >= SLOW_FORWARD}
         rounds = [
-            [job for job in jobs if r == 0 or job[0] not in slow]
+            [job for job in jobs if r == 0 or job[0] not in slow or job[1] <= SLOW_REPEATED]
             for r, jobs in enumerate(_rounds(sizes, repeats))
         ]
         ones: dict[str, list[float]] = {name: [] for name in models}

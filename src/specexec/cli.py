@@ -28,7 +28,6 @@ def _budget(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
-DRAFT_AHEAD = {"auto": None, "on": True, "off": False}  # --draft-ahead: `Settings.draft_ahead`
 NGRAM_HELP = (
     "specexec: graft prompt-lookup chains of up to N tokens into each tree, free of draft cost (0 = off)"
 )
@@ -85,9 +84,9 @@ def _add_method_args(parser: argparse.ArgumentParser, budget_help: str) -> None:
     parser.add_argument("--ngram", type=non_negative_int, default=0, help=NGRAM_HELP)
     parser.add_argument(
         "--draft-ahead",
-        choices=tuple(DRAFT_AHEAD),
-        default="auto",
-        help="specexec: grow the next tree while the target verifies (auto: when --ram streams the target)",
+        action="store_true",
+        help="specexec: grow the next tree while the target verifies, on a thread of its own (off: it was "
+        "slower where measured, docs/bigger-than-ram.md)",
     )
 
 
@@ -163,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
         budget=args.budget,
         lookahead_schedule=args.lookahead_schedule,
         ngram=args.ngram,
-        draft_ahead=DRAFT_AHEAD[args.draft_ahead],
+        draft_ahead=args.draft_ahead,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

@@ -3,8 +3,8 @@ commit; `stream` is a thin loop over it. What differs between methods lives in `
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -100,10 +100,9 @@ class Settings:
     `width`, `max_rounds`, `branches`, `ngram` and `lookahead_schedule` shape the drafts of the methods
     that read them (`specexec.methods.DraftOptions`); `confidence_threshold` and `adapt_threshold` are
     dsl's confidence stop. `draft_ahead` (specexec): the draft grows the next tree on while the target
-    verifies, on another thread; None: where the target's weights stream from disk, whose passes leave
-    the CPU mostly idle. Temperature 0 is greedy. A generation stops at an end-of-sequence id (by
-    default every one the target lists), after `max_new_tokens`, or when its text contains one of
-    `stop_strings`.
+    verifies, on another thread (`Drafter.draft_ahead`). Temperature 0 is greedy. A generation stops at
+    an end-of-sequence id (by default every one the target lists), after `max_new_tokens`, or when its
+    text contains one of `stop_strings`.
     """
 
     method: str = "specexec"
@@ -121,15 +120,15 @@ class Settings:
     lookahead_schedule: str = "constant"
     confidence_threshold: float = 0.4
     adapt_threshold: bool = True
-    draft_ahead: bool | None = None
+    draft_ahead: bool = False
     eos_token_id: int | Sequence[int] | None = None
     stop_strings: Sequence[str] = ()
 
-    def draft_options(self, draft_ahead: bool) -> DraftOptions:
-        """The drafter's options, `draft_ahead` resolved for the target (`_draft_ahead`)."""
+    @property
+    def draft_options(self) -> DraftOptions:
         return DraftOptions(
             self.expand, self.width, self.max_rounds, self.branches, self.ngram, self.lookahead_schedule,
-            draft_ahead,
+            self.draft_ahead,
         )  # fmt: skip
 
 
@@ -234,8 +233,8 @@ class Generation:
         self.eos = torch.tensor(eos, dtype=torch.long, device=device)
         self.vocab_size = as_model(target).vocab_size
         self.text = TextStream(tokenizer, settings.stop_strings) if settings.stop_strings else None
-        self.draft_ahead = "draft_ahead" in self.method.options and _draft_ahead(settings.draft_ahead, target)
-        self.drafter = _drafter(self.method, settings, self.draft_ahead, target, draft, cost_model, learnt)
+        self.draft_ahead = settings.draft_ahead
+        self.drafter = _drafter(self.method, settings, target, draft, cost_model, learnt)
         self.stats = Stats(method=self.method.name, prompt_tokens=self.prompt.numel())
         self.committed = self.prompt
         # Committed tokens plus scratch slots for the largest tree a step can build, in both caches; the
@@ -246,7 +245,6 @@ class Generation:
         # inside decoding (and, on llama.cpp, new tree contexts mid-generation).
         self.drafting = self.pair_draft is not None and self.drafter.may_draft(steps=self.max_new_tokens)
         self.head_start: DraftTree | None = None  # the next step's tree, grown while this one verified
-        self._verifier: ThreadPoolExecutor | None = None  # runs target passes beside the draft
         self.prefix_cache = prefix_cache
         self.resumable = False  # whether the runners hold exactly `committed` (up to their lengths)
         self.target_runner, self.draft_runner = self._runners()
@@ -319,9 +317,6 @@ class Generation:
     def release(self) -> None:
         """Put the runners in the prefix cache with the committed tokens, if they hold exactly those (after
         a step or a prefill, not after an error, when a forward may have stopped half way)."""
-        if self._verifier is not None:
-            self._verifier.shutdown()
-            self._verifier = None
         if self.prefix_cache is not None and self.resumable:
             self.prefix_cache.put(
                 self.committed.tolist(), self.target, self.pair_draft, self.target_runner, self.draft_runner
@@ -347,18 +342,20 @@ class Generation:
         draft = self.draft_runner
         if not self.draft_ahead or draft is None or not bool(tree.expanded[0]):
             return tree_forward(self.target_runner, tree, nodes, root_slot), None
-        self._verifier = self._verifier or ThreadPoolExecutor(1, thread_name_prefix="specexec-verify")
-        verified: Future = self._verifier.submit(_verify_beside, self.target_runner, tree, nodes, root_slot)
-        before = draft.forward_seconds
-        draft.share_cpu(True)
+        # The target's pass stays on this thread and the draft moves to a thread of its own, which ends
+        # with the pass: llama.cpp computes on OpenMP, which stops spinning between graph nodes while it
+        # counts more threads than cores, and it counted a lasting helper thread until the process
+        # ended (later two-thread draft passes were 50% slower).
+        verified = threading.Event()
+        most = tree_leaf_limit(self.target, self.pair_draft)[0]
+        ahead = _Beside(_draft_ahead_beside, self.drafter, proposal, request, draft, verified, most)
         try:
-            most = tree_leaf_limit(self.target, self.pair_draft)[0]
-            ahead = self.drafter.draft_ahead(proposal, request, lambda: not verified.done(), most)
+            logits = tree_forward(self.target_runner, tree, nodes, root_slot)  # (size, V)
         finally:
-            draft.share_cpu(False)
-            wait([verified])  # an error drafting ahead waits for the pass: the runner is in use until then
-            self.stats.ahead_seconds += draft.forward_seconds - before
-        return verified.result(), ahead
+            verified.set()
+            grown, seconds = ahead.result()  # the draft runner is the helper's until its last pass ends
+        self.stats.ahead_seconds += seconds
+        return logits, grown
 
     def _commit(self, tree: DraftTree, root_slot: int, path_nodes: torch.Tensor, bonus: int) -> None:
         """The root and the accepted path stay in the target cache, and in the draft cache as far as the
@@ -448,12 +445,10 @@ def _check_window(prompt: torch.Tensor, max_new_tokens: int, target) -> None:
         )
 
 
-def _drafter(
-    chosen: Method, settings: Settings, draft_ahead: bool, target, draft, cost: CostModel | None, learnt
-) -> Drafter:
+def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel | None, learnt) -> Drafter:
     """The method's drafter; an "auto" budget becomes its cost policy (kept in `learnt` if given)."""
     budget = chosen.default_budget if settings.budget is None else settings.budget
-    options = settings.draft_options(draft_ahead)
+    options = settings.draft_options
     confidence = ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
     if budget != "auto":
         return chosen.make_drafter(budget, options, confidence, None)
@@ -484,18 +479,47 @@ def tree_leaf_limit(*models) -> tuple[int, str]:
     return min(((n, runtime) for n, runtime in limits if n is not None), default=(1 << 30, ""))
 
 
-def _draft_ahead(asked: bool | None, target) -> bool:
-    """`Settings.draft_ahead` for `target`: as asked, or (None) where its weights stream from disk."""
-    if asked is not None:
-        return asked
-    memory = as_model(target).memory()
-    return memory is not None and memory.streamed > 0
-
-
 @torch.inference_mode()
-def _verify_beside(runner: Runner, tree: DraftTree, nodes: torch.Tensor, root_slot: int) -> torch.Tensor:
-    """`tree_forward` on the verifying thread (inference mode is per thread)."""
-    return tree_forward(runner, tree, nodes, root_slot)
+def _draft_ahead_beside(
+    drafter: Drafter,
+    proposal: Draft,
+    request: DraftRequest,
+    runner: Runner,
+    verified: threading.Event,
+    most: int,
+) -> tuple[Draft | None, float]:
+    """`Drafter.draft_ahead` until `verified` is set, on one draft thread (inference mode is per thread);
+    also the seconds it spent in draft forwards."""
+    before = runner.forward_seconds
+    runner.share_cpu(True)
+    try:
+        grown = drafter.draft_ahead(proposal, request, lambda: not verified.is_set(), most)
+        return grown, runner.forward_seconds - before
+    finally:
+        runner.share_cpu(False)
+
+
+class _Beside(threading.Thread):
+    """`function(*args)` on a thread of its own; `result()` joins it and returns or raises its outcome."""
+
+    def __init__(self, function: Callable, *args) -> None:
+        super().__init__(name="specexec-draft-ahead", daemon=True)
+        self.function, self.args = function, args
+        self.outcome = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.outcome = self.function(*self.args)
+        except BaseException as error:  # handed to the thread that waits for it
+            self.error = error
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.outcome
 
 
 def _with_prefix(prefix_len: int, tail: torch.Tensor) -> torch.Tensor:

@@ -69,13 +69,13 @@ def _ngrams(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _draft_aheads(text: str) -> list[bool | None]:
+def _draft_aheads(text: str) -> list[bool]:
     from specexec.bench.errors import BenchError
 
-    choices = {"auto": None, "on": True, "off": False}
+    choices = {"on": True, "off": False}
     parts = [part.strip() for part in text.split(",")]
     if not all(part in choices for part in parts):
-        raise BenchError(f"--draft-ahead: {text!r} is not a comma-separated list of auto, on and off")
+        raise BenchError(f"--draft-ahead: {text!r} is not a comma-separated list of on and off")
     return list(dict.fromkeys(choices[part] for part in parts))
 
 
@@ -181,9 +181,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-ahead",
         type=_type(_draft_aheads),
-        default=[None],
-        help="specexec: grow the next tree while the target verifies, a comma-separated list of auto, on "
-        "and off (default auto: where --ram streams the target)",
+        default=[False],
+        help="specexec: grow the next tree while the target verifies, a comma-separated list of on and off "
+        "(default off)",
     )
 
 

@@ -81,7 +81,7 @@ class BenchConfig:
     quant: str = "none"  # which loaded pair runs it
     ngram: int | None = None  # specexec only: prompt-lookup tokens grafted per chain (0 = off)
     draft_vocab: int = 0  # methods with a draft: the token ids it scores (`--draft-vocab`; 0 = all)
-    draft_ahead: bool | None = None  # specexec only: `Settings.draft_ahead` (None: where --ram streams)
+    draft_ahead: bool | None = None  # specexec only: `Settings.draft_ahead` (default False)
 
     def __post_init__(self) -> None:
         if self.method not in BENCH_METHODS:
@@ -96,6 +96,8 @@ class BenchConfig:
             raise BenchError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
         if self.draft_ahead is not None and self.method != "specexec":
             raise BenchError(f"method {self.method!r} takes no draft_ahead")
+        if self.method == "specexec" and self.draft_ahead is None:
+            object.__setattr__(self, "draft_ahead", False)
         if self.budget == "auto" and self.method not in AUTO_METHODS:
             raise BenchError(f"budget 'auto' is for specexec and dsl only, not {self.method!r}")
         if (
@@ -126,7 +128,7 @@ class BenchConfig:
     def label(self) -> str:
         label = self.method if self.budget is None else f"{self.method}@{self.budget}"
         label += f"+ngram{self.ngram}" if self.ngram else ""
-        label += "" if self.draft_ahead is None else "+ahead" if self.draft_ahead else "+no-ahead"
+        label += "+ahead" if self.draft_ahead else ""
         label += f"/dv{self.draft_vocab}" if self.draft_vocab else ""
         return label + (f"/{self.quant}" if self.quant != "none" else "")
 
@@ -191,7 +193,7 @@ def make_configs(
     dsl_budgets: Sequence[int | str] = DEFAULT_DSL_BUDGETS,
     llamacpp_spec_budgets: Sequence[int] = DEFAULT_LLAMACPP_SPEC_BUDGETS,
     draft_vocabs: Sequence[int] = (0,),
-    draft_aheads: Sequence[bool | None] = (None,),
+    draft_aheads: Sequence[bool] = (False,),
 ) -> list[BenchConfig]:
     """Expand quantization levels x methods x budgets into configurations; `ar` (the reference) is always
     included, first in each level. The engine's drafted methods run once per `draft_vocabs` entry (the
@@ -199,8 +201,8 @@ def make_configs(
 
     sd runs once per `sd_budgets` entry (its draft length), dsl once per `dsl_budgets` entry ("auto" or
     the longest confidence-stopped chain), specinfer once per `specinfer_budgets` entry (default:
-    `budgets` without "auto"), specexec once per `budgets` x `ngrams` x `draft_aheads` entry (None: drafting
-    ahead where --ram streams the target, `Settings.draft_ahead`); ar and the HF methods run
+    `budgets` without "auto"), specexec once per `budgets` x `ngrams` x `draft_aheads` entry
+    (`Settings.draft_ahead`); ar and the HF methods run
     once per level; llamacpp runs once and llamacpp-spec once per `llamacpp_spec_budgets` entry (their
     own weights).
     """

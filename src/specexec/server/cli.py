@@ -105,8 +105,8 @@ def serve(args: argparse.Namespace) -> int:
         options["lookahead_schedule"] = args.lookahead_schedule
     if getattr(args, "ngram", 0):
         options["ngram"] = args.ngram
-    if getattr(args, "draft_ahead", "auto") != "auto":
-        options["draft_ahead"] = args.draft_ahead == "on"
+    if getattr(args, "draft_ahead", False):
+        options["draft_ahead"] = True
     try:
         app = create_app(
             pair.target,
