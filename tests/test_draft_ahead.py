@@ -106,3 +106,18 @@ def test_sampled_output_does_not_depend_on_drafting_ahead() -> None:
     }  # fmt: skip
     assert runs[True].tokens == runs[False].tokens
     assert runs[True].stats.carried > 0  # test design: other trees
+
+
+def test_the_cli_flag_and_the_stats_line() -> None:
+    from specexec.cli import _drafted_ahead, build_parser
+
+    assert build_parser().parse_args(["generate", "--draft-ahead", "x"]).draft_ahead is True
+    assert build_parser().parse_args(["generate", "x"]).draft_ahead is False
+    target, draft = pair("llama", "self")
+    on = specexec.generate(
+        target, draft, PROMPT, method="specexec", budget=8, max_new_tokens=NEW, draft_ahead=True
+    )
+    off = specexec.generate(target, draft, PROMPT, method="specexec", budget=8, max_new_tokens=NEW)
+    line = _drafted_ahead(on.stats)
+    assert f"({on.stats.ahead_calls} passes, {on.stats.carried} nodes carried into steps)" in line, line
+    assert _drafted_ahead(off.stats) == ""

@@ -20,6 +20,7 @@ from tiny_models import assert_cache_is_text_with_cut, chi2_pvalue
 
 import specexec
 from specexec.budget import CostModel
+from specexec.drafters.base import tree_forward
 from specexec.engine import GenerationError
 from specexec.sampling import SamplingParams, probs_from_logits
 from specexec.tree import DraftTree
@@ -77,8 +78,6 @@ def random_tree(seed: int, size: int, vocab: int, root: int) -> DraftTree:
 
 
 def forward_whole_tree(runner, tree: DraftTree, root_slot: int) -> torch.Tensor:
-    from specexec.drafters.base import tree_forward
-
     return tree_forward(runner, tree, torch.arange(tree.size), root_slot)
 
 
@@ -136,16 +135,21 @@ def test_keeping_a_path_continues_like_sequential_decoding(model, arch: str, wei
     assert torch.equal(after.argmax(-1), reference.argmax(-1))
 
 
-def test_draft_rounds_with_pruning_match_sequential_decoding(model) -> None:
-    """The draft's way: nodes forwarded a few at a time, pruned and renumbered (`move`) in between."""
+def committed_root(model, capacity: int) -> tuple[LlamaCppModel, LlamaCppRunner, int, DraftTree]:
+    """A draft's runner as a step starts: the prompt committed, its last token the root of an empty tree
+    of `capacity` nodes (target, runner, root slot, tree)."""
     target = model("llama", "f32")
-    vocab = target.vocab_size
     runner = LlamaCppRunner(target, 256)
     runner.extend(torch.tensor(PROMPT))  # the draft has the root committed
-    root = len(PROMPT) - 1
-    tree = DraftTree(PROMPT[-1], 64)
-    tree.expanded[0] = True  # the root is committed
-    from specexec.drafters.base import tree_forward
+    tree = DraftTree(PROMPT[-1], capacity)
+    tree.expanded[0] = True
+    return target, runner, len(PROMPT) - 1, tree
+
+
+def test_draft_rounds_with_pruning_match_sequential_decoding(model) -> None:
+    """The draft's way: nodes forwarded a few at a time, pruned and renumbered (`move`) in between."""
+    target, runner, root, tree = committed_root(model, 64)
+    vocab = target.vocab_size
 
     gen = torch.Generator().manual_seed(3)
     frontier = tree.add(torch.zeros(4, dtype=torch.long), torch.randint(0, vocab, (4,), generator=gen))
@@ -169,14 +173,8 @@ def test_keeping_a_path_and_the_subtree_below_it_continues_like_sequential_decod
     """Drafting ahead: a path is committed together with the draft's subtree below its last node, which
     the next tree grows from; new nodes under carried ones read the carried KV, and the dropped nodes give
     their sequences back."""
-    target = model("llama", "f32")
+    target, runner, root, tree = committed_root(model, 128)
     vocab = target.vocab_size
-    runner = LlamaCppRunner(target, 256)
-    runner.extend(torch.tensor(PROMPT))  # the draft has the root committed
-    root = len(PROMPT) - 1
-    tree = DraftTree(PROMPT[-1], 128)
-    tree.expanded[0] = True
-    from specexec.drafters.base import tree_forward
 
     gen = torch.Generator().manual_seed(5)
     frontier = torch.zeros(1, dtype=torch.long)

@@ -190,12 +190,23 @@ def _generate(args: argparse.Namespace) -> int:
         f"{stats.tokens_per_step:.2f} tokens/step over {stats.target_calls} target calls | "
         f"decode {stats.decode_tokens_per_second:.2f} tok/s | prefill {stats.prefill_seconds:.2f} s | "
         f"draft {stats.draft_seconds:.2f} s, target {stats.target_seconds:.2f} s, "
-        f"overhead {stats.overhead_seconds:.2f} s | finish: {chunk.finish_reason}{calibration}"
+        f"overhead {stats.overhead_seconds:.2f} s{_drafted_ahead(stats)} | finish: {chunk.finish_reason}"
+        f"{calibration}"
         f"{' | ' + pair.memory if pair.memory else ''}"
         f"{f', plus {stats.cache_bytes / 2**20:.0f} MiB of KV caches and buffers' if pair.memory else ''}",
         file=sys.stderr,
     )
     return 0
+
+
+def _drafted_ahead(stats) -> str:
+    """The stats line's account of `--draft-ahead` (nothing without it)."""
+    if not stats.ahead_calls:
+        return ""
+    return (
+        f", drafted ahead {stats.ahead_seconds:.2f} s beside the target ({stats.ahead_calls} passes, "
+        f"{stats.carried} nodes carried into steps)"
+    )
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -300,7 +300,7 @@ class Generation:
         logits, ahead = self._verify(proposal, request, root_slot)  # (size, V)
         path, bonus = self.method.rule(tree, logits, proposal, self.sampling, self.generator)
         path_nodes = torch.tensor([0, *path], dtype=torch.long, device=self.prompt.device)
-        self._commit(ahead.tree if ahead else tree, root_slot, path_nodes, bonus)
+        self._commit(tree if ahead is None else ahead.tree, root_slot, path_nodes, bonus if ahead else None)
         self.drafter.observe(proposal, path)
         self._count(tree, proposal.draft_calls, len(path))
         self.stats.carried += carried
@@ -357,20 +357,20 @@ class Generation:
         self.stats.ahead_seconds += seconds
         return logits, grown
 
-    def _commit(self, tree: DraftTree, root_slot: int, path_nodes: torch.Tensor, bonus: int) -> None:
+    def _commit(self, tree: DraftTree, root_slot: int, path_nodes: torch.Tensor, carry: int | None) -> None:
         """The root and the accepted path stay in the target cache, and in the draft cache as far as the
-        draft expanded them; the bonus token becomes the next root. Where the draft grew that token's node
-        while verifying (`tree` beyond the verified nodes), its subtree stays in the draft cache too and
-        becomes the next step's head start."""
+        draft expanded them; the bonus token becomes the next root. `carry`: the bonus token, when `tree`
+        is the one the draft grew on while verifying; if it has the token's node below the path, drafted
+        on, that subtree stays in the draft cache too and becomes the next step's head start."""
         self.target_runner.keep(_with_prefix(root_slot, root_slot + path_nodes))
         if self.draft_runner is None:
             return
         draft_root = self.draft_runner.slot(root_slot)
         prefix = min(self.draft_runner.length, draft_root)
-        end = int(path_nodes[-1])
-        children = tree.children(end)
-        below = children[(tree.tokens[children] == bonus) & tree.expanded[children]]
-        if not below.numel():
+        below = tree.children(int(path_nodes[-1]))
+        if carry is not None:
+            below = below[(tree.tokens[below] == carry) & tree.expanded[below]]
+        if carry is None or not below.numel():
             seen = path_nodes[tree.expanded[path_nodes]]
             self.draft_runner.keep(_with_prefix(prefix, draft_root + seen))
             return
@@ -448,10 +448,9 @@ def _check_window(prompt: torch.Tensor, max_new_tokens: int, target) -> None:
 def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel | None, learnt) -> Drafter:
     """The method's drafter; an "auto" budget becomes its cost policy (kept in `learnt` if given)."""
     budget = chosen.default_budget if settings.budget is None else settings.budget
-    options = settings.draft_options
     confidence = ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
     if budget != "auto":
-        return chosen.make_drafter(budget, options, confidence, None)
+        return chosen.make_drafter(budget, settings.draft_options, confidence, None)
     cost = cost or cached_cost_model(target, draft)
     max_budget = min(AUTO_MAX_BUDGET, tree_leaf_limit(target, draft)[0] - 2 * settings.ngram)
     make = (
@@ -467,9 +466,9 @@ def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel 
     else:
         policy = make()
     if not chosen.chain:
-        return chosen.make_drafter(policy, options, confidence, None)
+        return chosen.make_drafter(policy, settings.draft_options, confidence, None)
     policy.start()  # a chain cut short by the last generation's end is not this one's
-    return chosen.make_drafter(DSL_MAX_LENGTH, options, confidence, policy)
+    return chosen.make_drafter(DSL_MAX_LENGTH, settings.draft_options, confidence, policy)
 
 
 def tree_leaf_limit(*models) -> tuple[int, str]:

@@ -66,7 +66,9 @@ class BestFirstDrafter(DrafterBase):
         if not drafting and not self.ngram:  # a plain step: the root alone, at a plain step's cost
             return plain_step(request)
         head = request.head_start if drafting else None
-        tree = head or DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
+        tree = head
+        if tree is None:
+            tree = DraftTree(int(request.committed[-1]), self.max_tree_size, request.committed.device)
         steps = TreeDraftRunner(request, tree, self.policy.catch_up if self.policy else None)
         draft_seconds = 0.0  # the cost model's estimate, for the auto budget; a head start came free
         if head is not None:
