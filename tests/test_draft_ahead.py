@@ -121,3 +121,15 @@ def test_the_cli_flag_and_the_stats_line() -> None:
     line = _drafted_ahead(on.stats)
     assert f"({on.stats.ahead_calls} passes, {on.stats.carried} nodes carried into steps)" in line, line
     assert _drafted_ahead(off.stats) == ""
+
+
+def test_the_bench_compares_drafting_ahead_off_and_on() -> None:
+    from specexec.bench import make_configs
+    from specexec.bench.core import BenchConfig
+    from specexec.bench.errors import BenchError
+
+    configs = make_configs(["specexec"], budgets=[8], draft_aheads=(False, True))
+    assert [c.label for c in configs] == ["ar", "specexec@8", "specexec@8+ahead"]
+    assert [c.draft_ahead for c in configs] == [None, False, True]
+    with pytest.raises(BenchError, match="takes no draft_ahead"):
+        BenchConfig("sd", 4, draft_ahead=True)

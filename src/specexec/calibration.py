@@ -27,8 +27,8 @@ REPAY_LIMIT = 20
 # A model whose one-token forward takes this long (seconds: a target streamed from disk) is timed in one
 # round above SLOW_REPEATED tokens: its forwards are long against the machine's drift, and three rounds of
 # every size would take minutes. Sizes up to SLOW_REPEATED still take every round: their differences
-# decide tree sizes, and one streamed pass varies by 20% (one round of them made the 1.5B target at
-# --ram 0 look 25% dearer for 3 tokens than for 2, and the auto budget verify 1-node trees).
+# decide tree sizes, and one streamed pass varies by 20% (one round timed the 1.5B target at --ram 0 at
+# 0.47 s for 1 token, 0.59 s for 2 and 0.38 s for 3, and the auto budget verified trees of 1-3 nodes).
 SLOW_FORWARD = 0.25
 SLOW_REPEATED = 64
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
