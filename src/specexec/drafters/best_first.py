@@ -78,18 +78,14 @@ class BestFirstDrafter(DrafterBase):
         frontier = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
         for round_ in range(self.max_rounds if drafting and head is None else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
-            top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
-            log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
+            first_new = tree.size
+            log_probs = self._add_children(tree, frontier, logits)  # (F, W)
             child_accept = 0.0
             if self.policy:
                 tokens = steps.first_pass_tokens if round_ == 0 else len(frontier)
                 draft_seconds += self.policy.draft_pass_seconds(tokens)
                 # How likely a best child is to be accepted after its parent, judging by this round.
                 child_accept = self.policy.child_acceptance(log_probs[:, 0].exp())
-            scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
-            fresh = scores.isfinite()
-            first_new = tree.size
-            tree.add(frontier[:, None].expand_as(scores)[fresh], top.indices[fresh], scores[fresh])
             if not self._prune(tree, steps, first_new):
                 break  # no new child made the cut: more rounds would not change the tree
             frontier = self._frontier(tree, request, draft_seconds, child_accept)
@@ -166,13 +162,18 @@ class BestFirstDrafter(DrafterBase):
             frontier = frontier[: max(room, 0)].sort().values
             if not frontier.numel():
                 break
-            logits = steps.expand(frontier)  # (F, V)
-            top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
-            log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
-            scores = tree.scores[frontier, None] + log_probs
-            fresh = scores.isfinite()
-            tree.add(frontier[:, None].expand_as(scores)[fresh], top.indices[fresh], scores[fresh])
+            self._add_children(tree, frontier, steps.expand(frontier))
         return Draft(tree, draft_calls=steps.calls) if steps.calls else None
+
+    def _add_children(self, tree: DraftTree, frontier: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Add each `frontier` node's `width` most probable children (logits (F, V)), scored by cumulative
+        draft log-probability; returns their log-probabilities given the parent, (F, W)."""
+        top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
+        log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
+        scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
+        fresh = scores.isfinite()
+        tree.add(frontier[:, None].expand_as(scores)[fresh], top.indices[fresh], scores[fresh])
+        return log_probs
 
     def _graft(self, tree: DraftTree, request: DraftRequest) -> None:
         """Prompt-lookup chains below the root and below the best leaf (the deepest on ties)."""
