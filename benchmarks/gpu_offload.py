@@ -489,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     began = time.perf_counter()
+    path = Path(args.json)
     if args.dry_run:
         device, dtype, shapes, plan = torch.device("cpu"), torch.float32, DRY_SHAPES, DRY
         torch.set_num_threads(1)  # tiny kernels: thread start-up would dominate
@@ -529,6 +530,7 @@ def main(argv: list[str] | None = None) -> dict:
     target, offloader, built = build_offloaded(shapes["qwen2.5-1.5b"], device, dtype, args.ring_size, seed=0)
     seconds = forward_seconds(target, device, plan.tokens, plan.context, plan.reps)
     result["forward"]["qwen2.5-1.5b"] = forward_entry(target, offloader, seconds, bandwidth, built)
+    save(path, result)  # every part as it ends: a run cut short keeps what it measured
     del target, offloader
     release(device)
 
@@ -537,6 +539,7 @@ def main(argv: list[str] | None = None) -> dict:
     draft = build_resident(shapes["qwen2.5-0.5b"], device, dtype, seed=1)
     draft_curve = forward_seconds(draft, device, plan.nodes, plan.context, plan.reps)
     result["draft"] = {"shape": "qwen2.5-0.5b", "seconds": draft_curve}
+    save(path, result)
     del draft
     release(device)
 
@@ -548,6 +551,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = forward_seconds(target, device, plan.tokens, plan.context, plan.reps)
     result["forward"]["llama-13b"] = forward_entry(target, offloader, seconds, bandwidth, built)
     dense_seconds = seconds
+    save(path, result)
 
     log("engine end to end ...")
     draft = build_resident(shapes["qwen2.5-0.5b"], device, dtype, seed=3, vocab=shape.vocab)
@@ -559,6 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
     ]
     result["engine"] = engine
+    save(path, result)
 
     accelerate_seconds = None
     offloader.remove()  # streamed layers back as plain modules over the same (pinned) host memory
@@ -610,9 +615,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["goals"] = goals(result, projection)
     result["seconds"] = time.perf_counter() - began
 
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    save(path, result)
     log(f"wrote {path} ({result['seconds']:.0f} s)")
     print(report(result))
     return result
@@ -629,6 +632,11 @@ def forward_entry(model, offloader, seconds: dict[int, float], bandwidth: float,
         "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "seconds": seconds,
     }
+
+
+def save(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
 
 
 def release(device: torch.device) -> None:

@@ -252,6 +252,48 @@ def test_offload_without_cuda_is_refused() -> None:
     one_line(err)
 
 
+# ---------------------------------------------------------------------------------------------------
+# On a CUDA GPU (skipped elsewhere): side-stream copies, ordered against compute by events only, must not
+# change a logit. CI has no GPU; these ran on a lent H200 (docs/offloading.md).
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("ring_size", [1, 2, LAYERS + 2])
+@pytest.mark.parametrize("method", specexec.METHODS)
+def test_offloaded_on_the_gpu_equals_the_resident_model(method: str, ring_size: int) -> None:
+    cuda = torch.device("cuda")
+    resident = copy.deepcopy(plain("llama")).to(cuda)
+    model = copy.deepcopy(plain("llama"))
+    offloader = offload_model(model, device=cuda, ring_size=ring_size)
+    ids = torch.tensor([PROMPT], device=cuda)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+    draft = None if method == "ar" else resident
+    settings = dict(method=method, max_new_tokens=NEW, budget=16)
+    expected = specexec.generate(resident, draft, PROMPT, **settings).tokens
+    assert specexec.generate(model, draft, PROMPT, **settings).tokens == expected
+    assert offloader.stats.misses == 0
+
+
+@needs_cuda
+def test_slow_copies_on_the_gpu_are_waited_for() -> None:
+    """Layers of 140 MB, whose copies take milliseconds while an 8-token forward computes in microseconds:
+    a missing wait would run a layer on the previous occupant of its slot and change the logits."""
+    cuda = torch.device("cuda")
+    big = tiny_model("qwen2", seed=3, num_layers=LAYERS, hidden_size=2048, num_heads=16, num_kv_heads=4)
+    resident = copy.deepcopy(big).to(cuda)
+    offloader = offload_model(big, device=cuda, ring_size=2)
+    ids = torch.tensor([PROMPT], device=cuda)
+    with torch.inference_mode():
+        for _ in range(3):  # later forwards start from the prefetches the previous one issued
+            assert torch.equal(big(ids).logits, resident(ids).logits)
+    out = specexec.generate(big, resident, PROMPT, method="specexec", max_new_tokens=NEW, budget=16)
+    assert out.tokens == specexec.generate(resident, None, PROMPT, method="ar", max_new_tokens=NEW).tokens
+    assert offloader.stats.misses == 0
+
+
 def test_parse_size() -> None:
     assert parse_size("20GiB") == 20 * 2**30
     assert parse_size("1.5 GB") == 1_500_000_000
