@@ -447,6 +447,7 @@ def test_gpu_benchmark_dry_run(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["dry_run"] is True
     assert set(result["forward"]) == {"llama-13b", "qwen2.5-1.5b"}
+    assert result["launch_bound"]["profiled_cpu_seconds"] > 0 and result["launch_bound"]["run"]["new_tokens"]
     labels = [run["label"] for run in result["engine"]]
     assert labels[:2] == ["ar, offloaded", "specexec@8, offloaded"] and "accelerate" in labels[2]
     projected = result["projection"]["rows"]
