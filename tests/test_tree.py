@@ -185,6 +185,12 @@ def request(runner, committed, max_depth=100, eos=(), sampling=None, seed=0) -> 
     )
 
 
+def log_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """What a best-first tree scores by: the draft's log-probabilities, under the sampling settings when
+    sampling (-inf outside top-k and top-p)."""
+    return torch.log_softmax(logits, -1) if sampling.greedy else probs_from_logits(logits, sampling).log()
+
+
 def check_best_first(model, committed, tree: DraftTree, budget: int, width: int, req: DraftRequest) -> None:
     check_structure(tree)
     n = tree.size
@@ -203,7 +209,7 @@ def check_best_first(model, committed, tree: DraftTree, budget: int, width: int,
         assert len(tokens) == len(set(tokens)), "siblings with the same token"
     # Scores are cumulative draft log-probabilities, recomputed from sequential forwards.
     expanded = tree.expanded[:n].nonzero().squeeze(-1).tolist()
-    logp = {k: torch.log_softmax(v, -1) for k, v in path_logits(model, committed, tree, expanded).items()}
+    logp = {k: log_probs(v, req.sampling) for k, v in path_logits(model, committed, tree, expanded).items()}
     scores = tree.scores[:n]
     for c in range(1, n):
         expected = scores[parents[c]] + logp[parents[c]][tree.tokens[c]]
@@ -245,6 +251,22 @@ def test_best_first_tree(draft_model, budget, expand, width, max_rounds, max_dep
     check_best_first(draft_model, PROMPT, tree, budget, min(width, budget), req)
     if budget > 1:
         assert int(tree.depths[: tree.size].max()) >= 2, "test design: expected a multi-level tree"
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=0.6, top_p=0.5), SamplingParams(temperature=1.5, top_k=3)]
+)
+def test_best_first_tree_ranks_by_the_sampling_distribution(draft_model, sampling) -> None:
+    """When sampling, children are the most likely under the generation's temperature, top-k and top-p,
+    scored so, and tokens those leave out get no node."""
+    drafter = BestFirstDrafter(30, 8, 8)
+    req = request(ModelRunner(draft_model, CAPACITY), PROMPT, sampling=sampling)
+    tree = drafter.propose(req).tree
+    check_best_first(draft_model, PROMPT, tree, 30, 8, req)
+    children = [tree.children(p).numel() for p in range(tree.size) if tree.expanded[p]]
+    assert max(children) < 8, "test design: the sampling settings should leave out some of the top 8"
+    if sampling.top_k:
+        assert max(children) <= sampling.top_k
 
 
 def test_best_first_stops_at_end_of_sequence(draft_model) -> None:

@@ -18,6 +18,7 @@ import torch
 from specexec.budget import TreeBudget
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable, plain_step
 from specexec.drafters.lookup import graft_chain, ngram_continuation
+from specexec.sampling import SamplingParams, probs_from_logits
 from specexec.tree import DraftTree
 
 Children = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents, tokens, scores: `DraftTree.add`'s
@@ -79,7 +80,7 @@ class BestFirstDrafter(DrafterBase):
         for round_ in range(self.max_rounds if drafting and head is None else 0):
             logits = steps.expand_root() if round_ == 0 else steps.expand(frontier)  # (F, V)
             first_new = tree.size
-            log_probs = self._add_children(tree, frontier, logits)  # (F, W)
+            log_probs = self._add_children(tree, frontier, logits, request.sampling)  # (F, W)
             child_accept = 0.0
             if self.policy:
                 tokens = steps.first_pass_tokens if round_ == 0 else len(frontier)
@@ -162,14 +163,27 @@ class BestFirstDrafter(DrafterBase):
             frontier = frontier[: max(room, 0)].sort().values
             if not frontier.numel():
                 break
-            self._add_children(tree, frontier, steps.expand(frontier))
+            self._add_children(tree, frontier, steps.expand(frontier), request.sampling)
         return Draft(tree, draft_calls=steps.calls) if steps.calls else None
 
-    def _add_children(self, tree: DraftTree, frontier: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _add_children(
+        self, tree: DraftTree, frontier: torch.Tensor, logits: torch.Tensor, sampling: SamplingParams
+    ) -> torch.Tensor:
         """Add each `frontier` node's `width` most probable children (logits (F, V)), scored by cumulative
-        draft log-probability; returns their log-probabilities given the parent, (F, W)."""
-        top = torch.topk(logits, min(self.width, logits.shape[-1]))  # (F, W)
-        log_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)  # (F, W)
+        draft log-probability; returns their log-probabilities given the parent, (F, W).
+
+        When sampling, the probabilities are the draft's under the generation's own temperature, top-k and
+        top-p: the target samples from its distribution under those, so they rank continuations by how
+        likely the target is to emit them, and a token outside the draft's top-p set (never emitted if the
+        two models agree) gets no node. Greedy ranks by the draft's plain probabilities."""
+        width = min(self.width, logits.shape[-1])
+        if sampling.greedy:
+            top = torch.topk(logits, width)  # (F, W)
+            log_probs = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        else:
+            top = torch.topk(probs_from_logits(logits, sampling).log(), width)  # -inf outside top-k / top-p
+            log_probs = top.values
+        log_probs = log_probs.clamp(max=0.0)  # (F, W)
         scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
         fresh = scores.isfinite()
         tree.add(frontier[:, None].expand_as(scores)[fresh], top.indices[fresh], scores[fresh])
