@@ -127,6 +127,13 @@ class NativeDecoder:
         logits_to_keep: int | torch.Tensor,
     ) -> torch.Tensor:
         """Logits (m, V) of the kept rows; tokens, positions and slots (n,), allowed (n, width)."""
+        return self.logits(self.hidden(tokens, positions, slots, allowed), logits_to_keep)
+
+    @torch.inference_mode()
+    def hidden(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """The last decoder layer's output (n, C), its keys and values written at `slots`."""
         n, width = allowed.shape
         x = self.embed(tokens).to(self.dtype)  # (n, C)
         cos, sin = self._rotary(positions)  # (n, 1, D / 2) each
@@ -143,6 +150,11 @@ class NativeDecoder:
             x = x + attention.o_proj(out)
             h = self._rms_norm(x, norm_post)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))  # (n, C)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """Logits (m, V) of the kept rows of the last layer's output x (n, C)."""
         x = x[-logits_to_keep:] if isinstance(logits_to_keep, int) else x[logits_to_keep]  # (m, C)
         return self.model.get_output_embeddings()(self._rms_norm(x, self.final_norm))  # (m, V)
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specexec.backends.base import SlotRunner, grown_capacity
+from specexec.backends.torch.graphs import GraphedDecoder
 from specexec.backends.torch.native import NativeDecoder, NativeUnsupported, zero_padded
 from specexec.timing import clock
 
@@ -152,8 +153,8 @@ class HFForward:
 class ModelRunner(SlotRunner):
     """Drives one causal LM over slot-addressed KV buffers: `reserve`, `extend`, `forward_tree`, `keep`.
 
-    The forward is `NativeDecoder` where it supports the model (and `native` is not False), else the
-    model's own Hugging Face forward (`HFForward`).
+    The forward is `NativeDecoder` where it supports the model (and `native` is not False), replayed
+    from CUDA graphs on a GPU (`GraphedDecoder`), else the model's own Hugging Face forward (`HFForward`).
     """
 
     def __init__(self, model: PreTrainedModel, capacity: int, native: bool = True) -> None:
@@ -162,15 +163,17 @@ class ModelRunner(SlotRunner):
         self.capacity = capacity
         self.length = 0
         self.slot_positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        self.backend: NativeDecoder | HFForward = self._forward(native)
+        self.backend: NativeDecoder | GraphedDecoder | HFForward = self._forward(native)
         self.forward_seconds = 0.0  # time inside the model's forward, for the stats' time split
         # A draft may have fewer embedding rows than the target's vocabulary; the ids it cannot read
         # only cost it accuracy (the target decides), so they are clamped instead of crashing.
         self.last_token_id = model.get_input_embeddings().num_embeddings - 1
 
-    def _forward(self, native: bool) -> NativeDecoder | HFForward:
+    def _forward(self, native: bool) -> NativeDecoder | GraphedDecoder | HFForward:
         if native:
             try:
+                if self.device.type == "cuda":  # launching kernels one by one would leave the GPU idle
+                    return GraphedDecoder(self.model, self.capacity)
                 return NativeDecoder(self.model, self.capacity)
             except NativeUnsupported:
                 pass
