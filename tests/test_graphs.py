@@ -5,6 +5,8 @@ forward gives it. On the CPU the padded forward runs without graphs (`capture=Fa
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -27,39 +29,41 @@ def runners(model, capture: bool = False) -> tuple[ModelRunner, ModelRunner]:
     """A plain native runner and one whose decoder pads (and, with `capture`, replays graphs)."""
     plain = ModelRunner(model, CAPACITY)
     padded = ModelRunner(model, CAPACITY)
-    if model.device.type != "cuda":
-        assert isinstance(plain.backend, NativeDecoder)
+    plain.backend = NativeDecoder(model, CAPACITY)  # on a GPU the runner's own choice is graphs
     padded.backend = GraphedDecoder(model, CAPACITY, capture=capture)
     return plain, padded
 
 
-def tree_of(root: int) -> DraftTree:
+def tree_of(root: int, device: torch.device) -> DraftTree:
     """Five nodes (padded to a block of 8): two children of the root, a grandchild, a great-grandchild."""
-    tree = DraftTree(root, 16)
-    a = tree.add(torch.tensor([0, 0]), torch.tensor([11, 12]))
-    b = tree.add(torch.tensor([int(a[0])]), torch.tensor([13]))
-    tree.add(torch.tensor([int(b[0])]), torch.tensor([14]))
+    tree = DraftTree(root, 16, device)
+    a = tree.add(torch.tensor([0, 0], device=device), torch.tensor([11, 12], device=device))
+    b = tree.add(a[:1], torch.tensor([13], device=device))
+    tree.add(b, torch.tensor([14], device=device))
     return tree
 
 
 def same_sequence(plain: ModelRunner, padded: ModelRunner, close) -> None:
     """Extends of several block sizes (some padded, one past the largest block), a tree, a keep, a grow:
     every logit and every committed slot's keys and values agree."""
+    device = plain.device
     for chunk in (SEQ[:5], SEQ[5:6], SEQ[6:40]):
-        close(padded.extend(torch.tensor(chunk), 0), plain.extend(torch.tensor(chunk), 0))
-    tree = tree_of(SEQ[40])
+        tokens = torch.tensor(chunk, device=device)
+        close(padded.extend(tokens, 0), plain.extend(tokens, 0))
+    tree = tree_of(SEQ[40], device)
     root = plain.length
-    nodes = torch.arange(tree.size)
+    nodes = torch.arange(tree.size, device=device)
     close(tree_forward(padded, tree, nodes, root), tree_forward(plain, tree, nodes, root))
-    kept = torch.cat([torch.arange(root + 1), root + tree.path_to(3)])
+    kept = torch.cat([torch.arange(root + 1, device=device), root + tree.path_to(3)])
     plain.keep(kept)
     padded.keep(kept)
-    long = torch.tensor(SEQ[41 : 41 + BLOCK_SIZES[-1] + 3])  # eager: past the largest block
+    long = torch.tensor(SEQ[41 : 41 + BLOCK_SIZES[-1] + 3], device=device)  # eager: past the largest block
     close(padded.extend(long, 4), plain.extend(long, 4))
     for runner in (plain, padded):
         runner.reserve(CAPACITY + 40)  # new buffers: graphs are captured again
-    close(padded.extend(torch.tensor(SEQ[:3]), 0), plain.extend(torch.tensor(SEQ[:3]), 0))
-    for layer in range(len(plain.backend.layers)):
+    tokens = torch.tensor(SEQ[:3], device=device)
+    close(padded.extend(tokens, 0), plain.extend(tokens, 0))
+    for layer in range(plain.model.config.num_hidden_layers):
         for mine, theirs in zip(padded.backend.layer_kv(layer), plain.backend.layer_kv(layer), strict=True):
             close(mine[:, : plain.length], theirs[:, : plain.length])
 
@@ -110,7 +114,7 @@ def test_replayed_graphs_equal_the_plain_forward(arch: str) -> None:
     model = tiny_model(arch, seed=5, vocab_size=VOCAB).cuda()
     plain, graphed = runners(model, capture=True)
     same_sequence(plain, graphed, lambda a, b: torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3))
-    assert graphed.backend.capture and graphed.backend.replays >= 5
+    assert graphed.backend.capture and graphed.backend.replays >= 4
 
 
 @needs_cuda
@@ -118,7 +122,9 @@ def test_a_gpu_generation_replays_graphs_and_stays_exact() -> None:
     target = tiny_model("qwen2", seed=5, vocab_size=VOCAB).cuda()
     draft = tiny_model("qwen2", seed=6, vocab_size=VOCAB).cuda()
     assert isinstance(ModelRunner(target, 64).backend, GraphedDecoder)
-    expected = specexec.generate(target, None, SEQ[:8], method="ar", max_new_tokens=24).tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed capture warns and runs eagerly: not here
+        expected = specexec.generate(target, None, SEQ[:8], method="ar", max_new_tokens=24).tokens
     for method in ("specexec", "sd"):
         out = specexec.generate(target, draft, SEQ[:8], method=method, budget=16, max_new_tokens=24)
         assert out.tokens == expected, method

@@ -127,6 +127,7 @@ class GraphedDecoder:
         """Room for `capacity` usable slots; graphs captured over the old buffers are dropped."""
         self.decoder.grow(capacity + 1)
         self.blocks.clear()
+        self.pool = None  # a pool outlives no graph of its own: the next captures start a fresh one
 
     @property
     def nbytes(self) -> int:
