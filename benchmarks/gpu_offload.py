@@ -1,6 +1,6 @@
 """GPU offloading check: what streaming a target from pinned host memory costs, and what SpecExec gains.
 
-Runs on one CUDA GPU in well under 8 minutes (H200: 26 GB of 13B-shaped weights in host RAM) with
+Runs on one CUDA GPU in about 2 minutes (H200, 2026-12-04: 26 GB of 13B-shaped weights in host RAM) with
 randomly initialised models of real shapes (no model files, no network):
 
 1. pinned host-to-device bandwidth;
@@ -13,7 +13,9 @@ randomly initialised models of real shapes (no model files, no network):
    not a speed-up), then accelerate's own CPU offload (`accelerate.cpu_offload` on each decoder layer,
    over the same host memory) of the same target;
 5. the 13B-shaped target streamed 4-bit (bitsandbytes NF4) when bitsandbytes imports;
-6. projected decode tok/s: the measured per-pass costs above combined with the tokens per target pass
+6. how launch-bound a step is: one tiny kernel's launch time, and `specexec`@64 on a resident
+   1.5B-shaped target under torch's profiler (CPU time in operators against GPU time in kernels);
+7. projected decode tok/s: the measured per-pass costs above combined with the tokens per target pass
    that `specexec bench` measured on the real Qwen2.5-Coder pair (its results.json, --tokens-per-step);
    without that file, the SpecExec reference figures of shared/notes/anchors.md. Projections are labelled
    as such everywhere.
