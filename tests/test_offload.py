@@ -254,7 +254,7 @@ def test_offload_without_cuda_is_refused() -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # On a CUDA GPU (skipped elsewhere): side-stream copies, ordered against compute by events only, must not
-# change a logit. CI has no GPU; these ran on a lent H200 (docs/offloading.md).
+# change a logit. CI has no GPU; these passed on a lent H200 (docs/benchmarks.md), before CUDA graphs.
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
