@@ -12,6 +12,10 @@ specexec bench --prompts humaneval --ram 0 "${common[@]}" --llamacpp-spec-budget
   --out "$out/stream-0-humaneval-greedy-8"
 specexec bench --prompts mtbench --ram 0 "${common[@]}" --llamacpp-spec-budgets 8 \
   --out "$out/stream-0-mtbench-greedy-8"
+specexec bench --prompts humaneval --ram 512MiB "${common[@]}" --methods ar,llamacpp,llamacpp-spec,specexec \
+  --llamacpp-spec-budgets 8 --out "$out/stream-512MiB-humaneval-greedy-8"
+specexec bench --prompts mtbench --ram 512MiB "${common[@]}" --llamacpp-spec-budgets 8 \
+  --out "$out/stream-512MiB-mtbench-greedy-8"
 sampled=(--temperature 0.6 --top-p 0.9)
 specexec bench --prompts humaneval --ram 0 "${common[@]}" "${sampled[@]}" --llamacpp-spec-budgets 16 \
   --out "$out/stream-0-humaneval-t0.6-8"
