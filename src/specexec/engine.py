@@ -367,10 +367,11 @@ class Generation:
             return
         draft_root = self.draft_runner.slot(root_slot)
         prefix = min(self.draft_runner.length, draft_root)
-        below = tree.children(int(path_nodes[-1])) if carry is not None else None
-        if below is not None:
-            below = below[(tree.tokens[below] == carry) & tree.expanded[below]]
-        if below is None or not below.numel():
+        below = path_nodes[:0]  # the carried subtree's root, if any
+        if carry is not None:
+            children = tree.children(int(path_nodes[-1]))
+            below = children[(tree.tokens[children] == carry) & tree.expanded[children]]
+        if not below.numel():
             seen = path_nodes[tree.expanded[path_nodes]]
             self.draft_runner.keep(_with_prefix(prefix, draft_root + seen))
             return

@@ -38,11 +38,11 @@ class _Block:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-class GraphedDecoder:
-    """`NativeDecoder`'s interface, its blocks of up to BLOCK_SIZES[-1] tokens replayed from CUDA graphs."""
+class GraphedDecoder(NativeDecoder):
+    """`NativeDecoder` with its blocks of up to BLOCK_SIZES[-1] tokens replayed from CUDA graphs."""
 
     def __init__(self, model: PreTrainedModel, capacity: int, capture: bool | None = None) -> None:
-        self.decoder = NativeDecoder(model, capacity + 1)  # the last slot: the padding rows' scratch
+        super().__init__(model, capacity + 1)  # the last slot: the padding rows' scratch
         self.capture = model.device.type == "cuda" if capture is None else capture
         self.blocks: dict[int, _Block] = {}
         self.pool = None  # one memory pool for every graph of this decoder
@@ -50,7 +50,7 @@ class GraphedDecoder:
 
     @property
     def scratch(self) -> int:
-        return self.decoder.keys.shape[2] - 1
+        return self.keys.shape[2] - 1
 
     @torch.inference_mode()  # the static buffers are written in place, whatever mode the caller is in
     def forward(
@@ -65,7 +65,7 @@ class GraphedDecoder:
         n, width = allowed.shape
         size = next((b for b in BLOCK_SIZES if b >= n), None)
         if size is None:
-            return self.decoder.forward(tokens, positions, slots, allowed, logits_to_keep)
+            return super().forward(tokens, positions, slots, allowed, logits_to_keep)
         block = self.blocks.get(size) or self._block(size)
         block.tokens[:n] = tokens
         block.positions[:n] = positions
@@ -78,8 +78,8 @@ class GraphedDecoder:
             self.replays += 1
             hidden = block.hidden
         else:
-            hidden = self.decoder.hidden(block.tokens, block.positions, block.slots, block.allowed)
-        return self.decoder.logits(hidden[:n], logits_to_keep)
+            hidden = self.hidden(block.tokens, block.positions, block.slots, block.allowed)
+        return self.logits(hidden[:n], logits_to_keep)
 
     def _pad(self, block: _Block, n: int) -> None:
         """Rows n.. of `block` become padding: token 0 at position 0, into and over the scratch slot."""
@@ -90,7 +90,7 @@ class GraphedDecoder:
         block.allowed[n:, self.scratch] = True
 
     def _block(self, size: int) -> _Block:
-        device = self.decoder.keys.device
+        device = self.keys.device
         index = torch.zeros(size, dtype=torch.long, device=device)
         allowed = torch.zeros(size, self.scratch + 1, dtype=torch.bool, device=device)
         block = _Block(index, index.clone(), index.clone(), allowed)
@@ -112,26 +112,16 @@ class GraphedDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.decoder.hidden(block.tokens, block.positions, block.slots, block.allowed)
+                self.hidden(block.tokens, block.positions, block.slots, block.allowed)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            block.hidden = self.decoder.hidden(block.tokens, block.positions, block.slots, block.allowed)
+            block.hidden = self.hidden(block.tokens, block.positions, block.slots, block.allowed)
         self.pool = graph.pool()
         block.graph = graph
 
-    def gather(self, src: torch.Tensor, dst_start: int) -> None:
-        self.decoder.gather(src, dst_start)
-
     def grow(self, capacity: int) -> None:
         """Room for `capacity` usable slots; graphs captured over the old buffers are dropped."""
-        self.decoder.grow(capacity + 1)
+        super().grow(capacity + 1)
         self.blocks.clear()
         self.pool = None  # a pool outlives no graph of its own: the next captures start a fresh one
-
-    @property
-    def nbytes(self) -> int:
-        return self.decoder.nbytes
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decoder.layer_kv(layer)

@@ -163,13 +163,13 @@ class ModelRunner(SlotRunner):
         self.capacity = capacity
         self.length = 0
         self.slot_positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        self.backend: NativeDecoder | GraphedDecoder | HFForward = self._forward(native)
+        self.backend: NativeDecoder | HFForward = self._forward(native)
         self.forward_seconds = 0.0  # time inside the model's forward, for the stats' time split
         # A draft may have fewer embedding rows than the target's vocabulary; the ids it cannot read
         # only cost it accuracy (the target decides), so they are clamped instead of crashing.
         self.last_token_id = model.get_input_embeddings().num_embeddings - 1
 
-    def _forward(self, native: bool) -> NativeDecoder | GraphedDecoder | HFForward:
+    def _forward(self, native: bool) -> NativeDecoder | HFForward:
         if native:
             try:
                 if self.device.type == "cuda":  # launching kernels one by one would leave the GPU idle
