@@ -153,9 +153,8 @@ def main() -> None:
         del model
     with unrepacked():
         plain = LlamaCppModel(gguf, args.threads)
-    before = {line for line in stream.mapped() if str(gguf) not in line}
-    evict = stream.evictor(gguf, stream.mapping_base(gguf, before))
-    rows.append(("evicted before every pass, repacking off", *passes(plain, args.repeats, evict), None))
+    evicted = passes(plain, args.repeats, lambda: stream.evict(gguf))
+    rows.append(("evicted before every pass, repacking off", *evicted, None))
     print(f"target {gguf.name}, {args.threads} threads, one pass over k tokens after {CONTEXT} (s; MiB read)")
     print("| mode | " + " | ".join(f"t({k})" for k in SIZES) + " |")
     print("|---|" + "---:|" * len(SIZES))

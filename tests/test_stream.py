@@ -211,6 +211,28 @@ def test_the_resident_part_stays_and_streamed_pages_do_not_pile_up(gguf: Path) -
     assert memory.disk_bytes_per_second > 0
 
 
+def test_plain_llamacpp_short_of_memory_reads_the_whole_file_every_pass(gguf: Path) -> None:
+    """The bench's plain `llamacpp` peer with --ram evicts the whole file before each pass, the pages a
+    streamed model of the same file keeps resident included (else they stay cached for the peer too);
+    that model's resident part is read back after the peer's run."""
+    if read_bytes() == 0:
+        pytest.skip("this kernel does not count the bytes a process reads (/proc/self/io)")
+    from specexec.bench.llamacpp import LlamaCpp
+
+    model = LlamaCppModel(gguf, threads=2, ram=half(gguf))
+    streamer, plan = model.stream, model.stream.plan
+    assert plan.resident_bytes > 0
+    peer = LlamaCpp(gguf, context=64, threads=2, ram=half(gguf))
+    before = read_bytes()
+    record = peer.run(PROMPT, 6, seed=0, eos=[], temperature=0.0, top_p=1.0, top_k=0)
+    passes = 1 + record["new_tokens"]  # the prompt's and one per new token
+    read = read_bytes() - before - plan.resident_bytes  # less the resident part read back after the run
+    assert read / passes == pytest.approx(plan.resident_bytes + plan.streamed_bytes, rel=0.1)
+    assert record["hf_settings"]["evicted_before_every_pass"]
+    slack = 2 * stream.PAGE * len(plan.units)
+    assert streamer.residency()[0] >= plan.resident_bytes - slack
+
+
 # -- bad input, and the model file ------------------------------------------------------------------------
 
 

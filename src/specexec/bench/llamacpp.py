@@ -12,8 +12,9 @@
 With `ram` (the bench's --ram), both run the target as llama.cpp would in that much memory, repacking off
 (repacked weights are anonymous memory, which cannot be streamed):
 - `llamacpp`: plain llama.cpp when its model does not fit, at its best: the page cache's LRU evicts each
-  page before the next pass needs it again, so its whole mapping is evicted before every pass (the
-  eviction's own time is not counted);
+  page before the next pass needs it again, so the whole file is evicted before every pass, the pages
+  our streamed targets keep resident included (in one process they would stay cached for it too); they
+  are read back after its run, and neither the eviction nor that read is counted;
 - `llamacpp-spec`: its target streamed by `specexec.backends.llamacpp.stream`, as our own methods' is.
 """
 
@@ -51,7 +52,7 @@ class LlamaCpp:
             raise BenchError(f"method 'llamacpp' needs llama-cpp-python: {INSTALL_HINT}") from None
         self.gguf = Path(gguf)
         self.threads = threads or torch.get_num_threads()
-        with _unrepacked(self.gguf, enabled=ram is not None) as mapping:
+        with _unrepacked(self.gguf, enabled=ram is not None):
             self.llm = llama_cpp.Llama(
                 model_path=str(self.gguf),
                 n_ctx=context,
@@ -59,10 +60,10 @@ class LlamaCpp:
                 n_threads_batch=self.threads,
                 verbose=False,
             )
-        short = ram is not None and ram < self.gguf.stat().st_size  # else it would all stay in RAM
-        self.evict = stream.evictor(self.gguf, mapping()) if short else None
-        if self.evict is not None:
-            self.evict()  # loading read it all
+        self.short = ram is not None and ram < self.gguf.stat().st_size  # else it would all stay in RAM
+        if self.short:  # loading read it all
+            stream.evict(self.gguf)
+            stream.restore_resident(self.gguf)
         self.version = llama_cpp.__version__
         self.vocab = self.llm.n_vocab()
         self._logits_of_last = lambda: llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
@@ -83,9 +84,9 @@ class LlamaCpp:
         generator = torch.Generator().manual_seed(seed)
         llm.reset()
         evicting = 0.0  # seconds spent evicting, not counted
-        if self.evict is not None:
+        if self.short:
             evicting -= clock(CPU)
-            self.evict()
+            stream.evict(self.gguf)
             evicting += clock(CPU)
         start = clock(CPU)
         if len(input_ids) > 1:
@@ -94,9 +95,9 @@ class LlamaCpp:
         tokens: list[int] = []
         step_input = input_ids[-1]
         while len(tokens) < max_new_tokens:
-            if self.evict is not None:
+            if self.short:
                 evicting -= clock(CPU)
-                self.evict()
+                stream.evict(self.gguf)
                 evicting += clock(CPU)
             llm.eval([step_input])
             logits = torch.from_numpy(
@@ -112,9 +113,10 @@ class LlamaCpp:
             step_input = token
         wall = clock(CPU) - start - evicting
         settings = {"gguf": self.gguf.name, "threads": self.threads, "llama_cpp_python": self.version}
-        if self.evict is not None:
+        if self.short:
             settings["evicted_before_every_pass"] = True
-            self.evict()  # its pages mapped would stay in RAM through the other methods' runs
+            stream.evict(self.gguf)  # its pages mapped would stay in RAM through the other methods' runs
+            stream.restore_resident(self.gguf)
         # llama.cpp's forwards and its sampling are inseparable here: all of decode is target time.
         record = _record(input_ids, tokens, eos, prefill, wall, len(tokens), 0, 0.0, settings)
         return {**record, "tree_sizes": [0] * len(tokens), "tree_depths": [0] * len(tokens)}
@@ -289,10 +291,9 @@ class _GreedyDraft:
 @contextmanager
 def _unrepacked(gguf: Path, enabled: bool, ram: int | None = None):
     """Around a `Llama(...)` of `gguf`: with `enabled`, its model loads with repacking off; yields a
-    function returning what came of it: the mapping's base address (`ram` None), or the `Streamer` of
-    the target streamed within `ram` bytes (None if it all fits). `Llama` reads llama.cpp's default
-    parameters before it loads the model: its context gets an eval callback that reaches the streamer
-    once there is one."""
+    function returning the `Streamer` of the target streamed within `ram` bytes (None without `ram`, or
+    if it all fits). `Llama` reads llama.cpp's default parameters before it loads the model: its context
+    gets an eval callback that reaches the streamer once there is one."""
     if not enabled:
         yield lambda: None
         return
@@ -318,12 +319,11 @@ def _unrepacked(gguf: Path, enabled: bool, ram: int | None = None):
     made: dict = {}
     api.llama_model_default_params, api.llama_context_default_params = model_params, context_params
     try:
-        yield lambda: made.get("streamer") if ram is not None else made.get("base")
+        yield lambda: made.get("streamer")
     finally:
         api.llama_model_default_params, api.llama_context_default_params = model_defaults, context_defaults
-    made["base"] = stream.mapping_base(gguf, before)
     if plan is not None and plan.streamed:
-        made["streamer"] = later.streamer = stream.Streamer(gguf, made["base"], plan)
+        made["streamer"] = later.streamer = stream.Streamer(gguf, stream.mapping_base(gguf, before), plan)
         made["streamer"].eval_callback = callback  # kept alive with the streamer
 
 

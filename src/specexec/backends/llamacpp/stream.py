@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,21 +192,30 @@ def drop(base: int, fd: int, start: int, end: int) -> None:
         os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_DONTNEED)
 
 
-def evictor(gguf: Path, base: int) -> Callable[[], None]:
-    """A function that evicts every page of llama.cpp's mapping of `gguf` (at `base`) from RAM: plain
-    llama.cpp short of memory, whose LRU evicts each page before the next pass needs it (the bench)."""
-    units, embedding = layout(gguf)
-    spans = [span for unit in units for span in unit.spans] + [embedding]
+def evict(gguf: Path) -> None:
+    """Evict every page of `gguf` from RAM: plain llama.cpp short of memory, whose LRU evicts each page
+    before the next pass needs it (the bench). Every mapping of the file in this process lets go of its
+    pages first (a page still mapped stays in the page cache), a streamed model's resident units too:
+    `restore_resident` reads those back."""
+    stat = gguf.stat()
+    for line in mapped():
+        fields = line.split()
+        major, minor = (int(part, 16) for part in fields[3].split(":")) if len(fields) >= 6 else (0, 0)
+        if len(fields) >= 6 and int(fields[4]) == stat.st_ino and os.makedev(major, minor) == stat.st_dev:
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            _libc.madvise(start, end - start, MADV_DONTNEED)
+    fd = os.open(gguf, os.O_RDONLY)  # for the call only
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
-    def evict() -> None:
-        fd = os.open(gguf, os.O_RDONLY)  # for the call only: an evictor holds no descriptor
-        try:
-            for start, end in spans:
-                drop(base, fd, start, end)
-        finally:
-            os.close(fd)
 
-    return evict
+def restore_resident(gguf: Path) -> None:
+    """Read back the resident units of every open streamer of `gguf` (after `evict`)."""
+    for streamer in list(_open):
+        if streamer.gguf.samefile(gguf):
+            streamer.populate_resident()
 
 
 class Streamer:
@@ -292,6 +300,13 @@ class Streamer:
         seconds = time.perf_counter() - begin
         self._drop(start, end)
         return (end - start) / max(seconds, 1e-9)
+
+    def populate_resident(self) -> None:
+        """Read the resident units into RAM and map them (as at load)."""
+        for unit in self.plan.units:
+            if unit.name not in self.plan.streamed:
+                for span in unit.spans:
+                    self._populate(*span)
 
     def begin(self) -> None:
         with self._cond:
