@@ -197,13 +197,12 @@ def evict(gguf: Path) -> None:
     before the next pass needs it (the bench). Every mapping of the file in this process lets go of its
     pages first (a page still mapped stays in the page cache), a streamed model's resident units too:
     `restore_resident` reads those back."""
-    stat = gguf.stat()
+    inode = gguf.stat().st_ino  # as `mapping_base` finds it (an overlay's maps name another device)
     for line in mapped():
         fields = line.split()
-        major, minor = (int(part, 16) for part in fields[3].split(":")) if len(fields) >= 6 else (0, 0)
-        if len(fields) >= 6 and int(fields[4]) == stat.st_ino and os.makedev(major, minor) == stat.st_dev:
+        if len(fields) >= 6 and int(fields[4]) == inode:
             start, end = (int(address, 16) for address in fields[0].split("-"))
-            _libc.madvise(start, end - start, MADV_DONTNEED)
+            _libc.madvise(start, end - start, MADV_DONTNEED)  # clean file pages: read again if touched
     fd = os.open(gguf, os.O_RDONLY)  # for the call only
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
