@@ -26,3 +26,8 @@ specexec bench --prompts humaneval --ram 512MiB "${common[@]}" "${sampled[@]}" \
   --methods ar,llamacpp,llamacpp-spec,specexec --llamacpp-spec-budgets 8 --out "$out/stream-512MiB-humaneval-t0.6-8"
 specexec bench --prompts mtbench --ram 512MiB "${common[@]}" "${sampled[@]}" \
   --methods ar,llamacpp,llamacpp-spec,specexec --llamacpp-spec-budgets 8 --out "$out/stream-512MiB-mtbench-t0.6-8"
+# The auto budget against fixed ones (session 18), in two modes.
+specexec bench --prompts humaneval --ram 0 "${common[@]}" "${sampled[@]}" --methods specexec \
+  --budgets auto,8,16,32 --out "$out/budgets-0-humaneval-t0.6-8"
+specexec bench --prompts mtbench --ram 512MiB "${common[@]}" --methods specexec --budgets auto,8,16,32 \
+  --out "$out/budgets-512MiB-mtbench-greedy-8"
