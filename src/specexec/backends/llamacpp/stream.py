@@ -230,11 +230,8 @@ def mapping_base(gguf: Path, before: set[str]) -> int:
     """The address where llama.cpp's mapping of `gguf` would put the file's byte 0 (it maps from the
     tensor data's page on), found in /proc/self/maps among the lines not in `before` (the maps read
     before loading: the same file may be mapped twice)."""
-    inode = gguf.stat().st_ino
-    for line in mapped() - before:
-        fields = line.split()
-        if len(fields) >= 6 and int(fields[4]) == inode:
-            return int(fields[0].split("-")[0], 16) - int(fields[2], 16)
+    for start, _, offset in _mappings_of(gguf, mapped() - before):
+        return start - offset
     raise LlamaCppError(f"llama.cpp did not map {gguf}; it cannot be streamed")
 
 
@@ -242,6 +239,19 @@ def mapped() -> set[str]:
     """The lines of /proc/self/maps: what this process has mapped."""
     with open("/proc/self/maps") as maps:
         return set(maps)
+
+
+def _mappings_of(gguf: Path, lines: set[str]) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of each line of /proc/self/maps that maps `gguf`, found by inode (an
+    overlay filesystem's maps name another device than `stat` does)."""
+    inode = gguf.stat().st_ino
+    found = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and int(fields[4]) == inode:
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            found.append((start, end, int(fields[2], 16)))
+    return found
 
 
 def _inner(start: int, end: int) -> tuple[int, int]:
@@ -263,12 +273,8 @@ def evict(gguf: Path) -> None:
     before the next pass needs it (the bench). Every mapping of the file in this process lets go of its
     pages first (a page still mapped stays in the page cache), a streamed model's resident units too:
     `restore_resident` reads those back."""
-    inode = gguf.stat().st_ino  # as `mapping_base` finds it (an overlay's maps name another device)
-    for line in mapped():
-        fields = line.split()
-        if len(fields) >= 6 and int(fields[4]) == inode:
-            start, end = (int(address, 16) for address in fields[0].split("-"))
-            _libc.madvise(start, end - start, MADV_DONTNEED)  # clean file pages: read again if touched
+    for start, end, _ in _mappings_of(gguf, mapped()):
+        _libc.madvise(start, end - start, MADV_DONTNEED)  # clean file pages: read again if touched
     fd = os.open(gguf, os.O_RDONLY)  # for the call only
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
