@@ -6,12 +6,15 @@ many pages) and synced to storage, so that evicting them really sends the next p
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,38 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("the temporary folder is in memory (tmpfs): nothing can be streamed from it")
     write_streamable(folder / "perturbed.gguf", noise=0.01)
     return write_streamable(folder / "target.gguf")
+
+
+def direct_reads(path: Path) -> bool:
+    """Whether the file system holding `path` takes O_DIRECT reads."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        with mmap.mmap(-1, stream.PAGE) as page:
+            return os.preadv(fd, [page], 0) == stream.PAGE
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(params=["direct", "cached"])
+def reads(request: pytest.FixtureRequest, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How streamed units are read: past the page cache into a ring (where O_DIRECT works), or through
+    the page cache (elsewhere)."""
+    if request.param == "direct" and not direct_reads(gguf):
+        pytest.skip("this file system refuses O_DIRECT reads")
+    if request.param == "cached":
+        monkeypatch.setattr(stream.Streamer, "_open_ring", lambda self: None)
+    return request.param
+
+
+def streamed_model(gguf: Path, reads: str, **kwargs) -> LlamaCppModel:
+    model = LlamaCppModel(gguf, **kwargs)
+    assert (model.stream.ring is not None) == (reads == "direct")
+    return model
 
 
 def total_bytes(path: Path) -> int:
@@ -123,20 +158,19 @@ def logits_of(model: LlamaCppModel) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def test_streamed_logits_equal_resident_logits_bit_for_bit(gguf: Path) -> None:
+def test_streamed_logits_equal_resident_logits_bit_for_bit(gguf: Path, reads: str) -> None:
     resident = logits_of(LlamaCppModel(gguf, threads=2))
     for ram in (0, half(gguf)):
-        streamed = LlamaCppModel(gguf, threads=2, ram=ram)
-        assert streamed.stream is not None
+        streamed = streamed_model(gguf, reads, threads=2, ram=ram)
         assert torch.equal(logits_of(streamed), resident), ram
         del streamed  # one model of a file at a time: another's mapping would hold its pages in RAM
 
 
-def test_every_method_reproduces_greedy_decoding_streamed(gguf: Path) -> None:
+def test_every_method_reproduces_greedy_decoding_streamed(gguf: Path, reads: str) -> None:
     resident = LlamaCppModel(gguf, threads=1)
     reference = specexec.generate(resident, None, PROMPT, method="ar", max_new_tokens=24).tokens
     del resident
-    target = LlamaCppModel(gguf, threads=1, ram=0)
+    target = streamed_model(gguf, reads, threads=1, ram=0)
     draft = LlamaCppModel(gguf.with_name("perturbed.gguf"), threads=1)
     assert specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=24).tokens == reference
     for args in METHODS:
@@ -157,6 +191,13 @@ def test_drafting_ahead_beside_a_streamed_target_stays_exact(gguf: Path) -> None
     target = LlamaCppModel(gguf, threads=1, ram=0)
     draft = LlamaCppModel(gguf.with_name("perturbed.gguf"), threads=1)
     reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=32).tokens
+    layer_done = target.stream.layer_done
+
+    def slow_disk(layer: int) -> None:  # a pass long enough for the draft to grow well ahead, on any host
+        time.sleep(0.005)
+        layer_done(layer)
+
+    target.stream.layer_done = slow_disk
     for budget in (8, "auto"):
         cost = {"cost_model": SMALL_TREES} if budget == "auto" else {}
         out = specexec.generate(
@@ -192,11 +233,11 @@ def read_per_pass(model: LlamaCppModel, passes: int = 10) -> float:
     return (read_bytes() - before) / passes
 
 
-def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path) -> None:
+def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path, reads: str) -> None:
     if read_bytes() == 0:
         pytest.skip("this kernel does not count the bytes a process reads (/proc/self/io)")
     for ram in (0, half(gguf)):
-        model = LlamaCppModel(gguf, threads=2, ram=ram)
+        model = streamed_model(gguf, reads, threads=2, ram=ram)
         streamed = model.stream.plan.streamed_bytes
         assert read_per_pass(model) == pytest.approx(streamed, rel=0.1), ram
         del model
@@ -205,8 +246,8 @@ def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path) -> None:
     assert read_per_pass(everything) < 0.01 * total_bytes(gguf)
 
 
-def test_the_resident_part_stays_and_streamed_pages_do_not_pile_up(gguf: Path) -> None:
-    model = LlamaCppModel(gguf, threads=2, ram=half(gguf))
+def test_the_resident_part_stays_and_streamed_pages_do_not_pile_up(gguf: Path, reads: str) -> None:
+    model = streamed_model(gguf, reads, threads=2, ram=half(gguf))
     streamer, plan = model.stream, model.stream.plan
     # Pages shared by neighbouring units, and the kernel reading around a page fault (128 KiB by default).
     slack = 2 * stream.PAGE * len(plan.units) + 256 * 1024
@@ -272,6 +313,28 @@ def test_a_gguf_changed_on_disk_is_an_error_and_streaming_never_writes_it(tmp_pa
         f.write(bytes(16))
     with pytest.raises(LlamaCppError, match="changed on disk during the run"):
         runner.extend(torch.tensor([5]))
+
+
+def test_a_failed_read_stops_the_run_with_a_one_line_error(gguf: Path, monkeypatch) -> None:
+    """A read of the ring that fails (a disk error) never hands the kernels other bytes: the pass in
+    flight computes from the file, and the next one stops with a one-line error."""
+    if not direct_reads(gguf):
+        pytest.skip("this file system refuses O_DIRECT reads")
+    tokens = [torch.tensor(PROMPT)] + [torch.tensor([t]) for t in range(20, 25)]
+    resident = LlamaCppModel(gguf, threads=2).make_runner(64)
+    expected = [resident.extend(t) for t in tokens]
+    del resident
+    runner = LlamaCppModel(gguf, threads=2, ram=0).make_runner(64)
+    assert torch.equal(runner.extend(tokens[0]), expected[0])
+
+    def broken(*args) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(stream._Ring, "read", broken)
+    with pytest.raises(LlamaCppError) as error:
+        for i in range(1, len(tokens)):
+            assert torch.equal(runner.extend(tokens[i]), expected[i]), i
+    assert "\n" not in str(error.value) and os.strerror(errno.EIO) in str(error.value)
 
 
 EXIT_MID_READ = """

@@ -169,10 +169,14 @@ class LlamaCppModel:
         return list(self._eos)
 
     def cost_key(self) -> str:
-        """What the calibration cache keys on: file, size, weight type, threads, library version."""
+        """What the calibration cache keys on: file, size, weight type, threads, library version, and
+        when streamed, how much and how it is read (past the page cache or through it)."""
         stat = self.gguf.stat()
         head = f":head{self.head_rows}" if self.head is not None else ""
-        streamed = f":streamed{self.stream.plan.streamed_bytes}" if self.stream is not None else ""
+        streamed = ""
+        if self.stream is not None:
+            reads = "direct" if self.stream.ring is not None else "cached"
+            streamed = f":streamed{self.stream.plan.streamed_bytes}-{reads}"
         return (
             f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}{head}{streamed}:"
             f"{self.threads}t:{self.version}"

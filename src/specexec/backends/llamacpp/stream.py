@@ -42,7 +42,10 @@ from specexec.sizes import format_bytes
 
 PAGE = mmap.PAGESIZE
 AHEAD = 2  # streamed units read ahead of the one computing: reads overlap compute, RAM stays bounded
-MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 1, 3, 4, 22  # <asm-generic/mman-common.h>
+# <asm-generic/mman-common.h>, <bits/mman-linux.h>
+MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_REMOVE, MADV_POPULATE_READ = 1, 3, 4, 9, 22
+PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FIXED, MAP_POPULATE = 1, 2, 0x01, 0x10, 0x8000
+MAP_FAILED = ctypes.c_void_p(-1).value
 EMBEDDING = "token_embd.weight"
 READ_CHUNK = 2**22  # bytes per readahead request (4 MiB, within the kernel's usual limits)
 LAYER_OUTPUT = b"l_out-"  # llama.cpp names each layer's output "l_out-<layer>" (llama-graph.cpp, `cb`)
@@ -52,6 +55,12 @@ _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 if _libc is not None:
     _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    _libc.mmap.restype = ctypes.c_void_p
+    _int, _size = ctypes.c_int, ctypes.c_size_t
+    _libc.mmap.argtypes = (ctypes.c_void_p, _size, _int, _int, _int, ctypes.c_long)
+    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    _libc.pread.restype = ctypes.c_ssize_t
+    _libc.pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long)
 
 
 @dataclass(frozen=True)
@@ -198,8 +207,16 @@ def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 def window(units: tuple[Unit, ...] | list[Unit], streamed: frozenset[str] | set[str]) -> int:
+    """The most streamed bytes in RAM at once: a unit computing and the (at most) AHEAD after it, counted
+    across the end of a pass (the reader goes on into the next pass's first units)."""
     sizes = [u.nbytes for u in units if u.name in streamed]
-    return max((sum(sizes[i : i + AHEAD + 1]) for i in range(len(sizes))), default=0)
+    return _most_in_a_row(sizes, min(AHEAD + 1, len(sizes)))
+
+
+def _most_in_a_row(sizes: list[int], count: int) -> int:
+    """The largest sum of `count` consecutive `sizes`, the list read as a cycle."""
+    cycle = sizes + sizes[: count - 1]
+    return max((sum(cycle[i : i + count]) for i in range(len(sizes))), default=0)
 
 
 def plan(gguf: Path, ram: int) -> Plan:
@@ -259,6 +276,15 @@ def _inner(start: int, end: int) -> tuple[int, int]:
     return -(-start // PAGE) * PAGE, end // PAGE * PAGE
 
 
+def _edges(start: int, end: int) -> list[tuple[int, int]]:
+    """The pages start..end shares with a neighbour (all of its pages if it has no whole one)."""
+    first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
+    inner_first, inner_last = _inner(start, end)
+    if inner_last <= inner_first:
+        return [(first, last)]
+    return [(a, b) for a, b in ((first, inner_first), (inner_last, last)) if b > a]
+
+
 def drop(base: int, fd: int, start: int, end: int) -> None:
     """Evict the file's pages wholly inside start..end from RAM: unmap them from the mapping at `base`,
     then drop them from the page cache."""
@@ -289,6 +315,102 @@ def restore_resident(gguf: Path) -> None:
             streamer.populate_resident()
 
 
+class _Ring:
+    """Where streamed units are read when the file system takes O_DIRECT: past the page cache, into shared
+    memory of our own (a memfd, `size` bytes used as a ring), which is then mapped over the unit's pages
+    in llama.cpp's mapping (MAP_FIXED), until compute is done with it and the file is mapped back there.
+
+    The page cache's way costs CPU for every 4 KiB page: read ahead, mapped, unmapped and dropped, 0.2 s
+    of CPU per 512 MiB on a 2-core VM (the reader's part alone), while O_DIRECT into memory that stays
+    allocated, then mapping it in and out, took 0.07 s, and read faster (docs/bigger-than-ram.md). The
+    unit's addresses always hold its bytes: the file's, or the ring's once they are read whole. Only
+    whole pages are mapped over; a page shared with a neighbouring unit stays the file's."""
+
+    def __init__(self, gguf: Path, size: int) -> None:
+        self.size = size
+        self.fd = os.open(gguf, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        self.memfd = -1
+        self.address = 0
+        try:
+            self.memfd = os.memfd_create("specexec-stream", os.MFD_CLOEXEC)
+            os.ftruncate(self.memfd, size)
+            address = _libc.mmap(None, size, PROT_READ | PROT_WRITE, MAP_SHARED, self.memfd, 0)
+            if address in (None, MAP_FAILED):
+                raise OSError(ctypes.get_errno(), "cannot map the read buffer")
+            self.address = address
+            # A file system may accept O_DIRECT at open and refuse it at the first read (EINVAL).
+            if _libc.pread(self.fd, self.address, PAGE, 0) < 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        except OSError:
+            self.close()
+            raise
+        self.head = 0  # bytes handed out since the start, ring positions modulo `size`
+        self.placed: dict[int, int] = {}  # unit (counted across passes) -> where its bytes start
+
+    def free_bytes(self) -> int:
+        tail = min(self.placed.values(), default=self.head)
+        return self.size - (self.head - tail)
+
+    def take(self, g: int, nbytes: int) -> int:
+        """Room for unit g's `nbytes` (the caller made sure there is): where its bytes start."""
+        self.placed[g], self.head = self.head, self.head + nbytes
+        return self.placed[g]
+
+    def give_back(self, g: int) -> None:
+        self.placed.pop(g, None)
+
+    def read(self, start: int, pages: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """Read the file's page ranges `pages` into the ring from `start` on: (file offset, ring offset,
+        bytes) for each piece contiguous in both."""
+        pieces: list[tuple[int, int, int]] = []
+        at = start
+        for first, last in pages:
+            offset = first
+            while offset < last:
+                position = at % self.size
+                n = min(last - offset, self.size - position, READ_CHUNK)
+                got = _libc.pread(self.fd, self.address + position, n, offset)
+                if got != n:
+                    error = ctypes.get_errno() if got < 0 else 0
+                    raise OSError(error, f"read {got} of {n} bytes at {offset}: {os.strerror(error)}")
+                last_offset, last_position, last_n = pieces[-1] if pieces else (-1, -1, 0)
+                if last_offset + last_n == offset and last_position + last_n == position:
+                    pieces[-1] = (last_offset, last_position, last_n + n)
+                else:
+                    pieces.append((offset, position, n))
+                offset += n
+                at += n
+        return pieces
+
+    def map_in(self, base: int, pieces: list[tuple[int, int, int]]) -> None:
+        """Map the ring's pieces over the file's pages in the mapping at `base`."""
+        for offset, position, n in pieces:
+            flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE
+            if _libc.mmap(base + offset, n, PROT_READ, flags, self.memfd, position) != base + offset:
+                raise OSError(ctypes.get_errno(), "cannot map read pages into llama.cpp's mapping")
+
+    @staticmethod
+    def map_out(base: int, fd: int, pieces: list[tuple[int, int, int]]) -> None:
+        """Map the file (`fd`) back where `pieces` were mapped in, as llama.cpp mapped it."""
+        for offset, _, n in pieces:
+            if _libc.mmap(base + offset, n, PROT_READ, MAP_SHARED | MAP_FIXED, fd, offset) != base + offset:
+                raise OSError(ctypes.get_errno(), "cannot map the file back into llama.cpp's mapping")
+            _libc.madvise(base + offset, n, MADV_RANDOM)
+
+    def empty(self) -> None:
+        """Free the ring's memory (read into again, it is allocated again)."""
+        _libc.madvise(self.address, self.size, MADV_REMOVE)
+
+    def close(self) -> None:
+        if self.address:
+            _libc.munmap(self.address, self.size)
+            self.address = 0
+        for fd in (self.fd, self.memfd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.memfd = -1
+
+
 class Streamer:
     """Streams a plan's units through llama.cpp's mapping at `base` (see the module's docstring).
 
@@ -307,11 +429,27 @@ class Streamer:
         self._identity = (stat.st_size, stat.st_mtime_ns)
         self.streamed = [u for u in plan.units if u.name in plan.streamed]
         self._by_layer = {u.layer: i for i, u in enumerate(self.streamed) if u.layer is not None}
+        # Each streamed unit's whole pages (what a ring holds), and which streamed unit follows each layer,
+        # and opens the pass, if one does: compute waits for it there when reads go through a ring.
+        self._pages = [[p for p in (_inner(*s) for s in u.spans) if p[1] > p[0]] for u in self.streamed]
+        self._page_bytes = [sum(e - s for s, e in pages) for pages in self._pages]
+        index = {u.name: i for i, u in enumerate(self.streamed)}
+        following = [index.get(u.name) for u in plan.units[1:]] + [None]
+        self._next = {
+            u.layer: f
+            for u, f in zip(plan.units, following, strict=True)
+            if u.layer is not None and f is not None
+        }
+        self._first = index.get(plan.units[0].name)
+        self._last_layer = -1  # the last layer reported in this pass
         self.passes = 0  # passes ended
         self._done = 0  # units finished by compute, counted across passes
         self._read = 0  # units read ahead
         self._requested = -1  # the last unit whose reads are queued
         self._reading: int | None = None  # the unit the reader is reading
+        self._mapped = 0  # with a ring: every unit before this one was mapped in (or skipped)
+        self._pieces: dict[int, list[tuple[int, int, int]]] = {}  # with a ring: each unit mapped in
+        self._failed: OSError | None = None  # a read or a mapping of the ring failed
         self._drop_after_read = False  # compute finished it meanwhile: the reader drops it
         self._cond = threading.Condition()
         self._closed = False
@@ -339,6 +477,7 @@ class Streamer:
                 "program, or still being written?)"
             )
         self.disk_bytes_per_second = self._read_speed()
+        self.ring = self._open_ring()
         self.eval_callback = eval_callback(self)  # a context's `cb_eval`
         self._reader = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
         self._reader.start()
@@ -372,6 +511,15 @@ class Streamer:
         self._drop(start, end)
         return (end - start) / max(seconds, 1e-9)
 
+    def _open_ring(self) -> _Ring | None:
+        """A ring for the units in RAM at once, or None where the file system refuses O_DIRECT (the
+        reader then reads through the page cache)."""
+        size = _most_in_a_row(self._page_bytes, min(AHEAD + 1, len(self._page_bytes)))
+        try:
+            return _Ring(self.gguf, size) if size else None
+        except OSError:
+            return None
+
     def populate_resident(self) -> None:
         """Read the resident units into RAM and map them (as at load)."""
         for unit in self.plan.units:
@@ -387,18 +535,46 @@ class Streamer:
         stat = os.fstat(self.fd)
         if (stat.st_size, stat.st_mtime_ns) != self._identity:
             raise LlamaCppError(f"{self.gguf} changed on disk during the run; load it again")
+        if self._failed is not None:
+            raise LlamaCppError(f"reading {self.gguf} failed: {self._failed}")
+        self._last_layer = -1
+        if self._first is not None:
+            self._wait_mapped(self._first)
 
     def layer_done(self, layer: int) -> None:
+        if layer <= self._last_layer:
+            # A new graph without `end` and `begin` between: llama.cpp split a batch (llama-cpp-python's
+            # `eval` of a prompt longer than its batch). Its first units were computed from the file.
+            self._pass_over()
+        self._last_layer = layer
         index = self._by_layer.get(layer)
         if index is not None:
             self._advance(self.passes * len(self.streamed) + index + 1)
+        following = self._next.get(layer)
+        if following is not None:
+            self._wait_mapped(following)
 
     def end(self) -> None:
         """After a pass: every unit of it is finished (the head has no layer output of its own), and the
         embedding rows it gathered are dropped."""
+        self._pass_over()
+        self._last_layer = -1
+        self._drop(*self.plan.embedding)
+
+    def _pass_over(self) -> None:
         self.passes += 1
         self._advance(self.passes * len(self.streamed))
-        self._drop(*self.plan.embedding)
+
+    def _wait_mapped(self, index: int) -> None:
+        """With a ring, wait until streamed unit `index` of this pass is mapped in: compute reading it from
+        the file instead would fault it in a page at a time."""
+        if self.ring is None:
+            return
+        g = self.passes * len(self.streamed) + index
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._mapped > g or self._done > g or self._failed or self._closed or self._paused
+            )
 
     def release(self) -> None:
         """Between generations: nothing read ahead, every streamed unit out of RAM, until the next pass
@@ -408,9 +584,14 @@ class Streamer:
                 return
             self._paused = True
             self._cond.wait_for(lambda: self._reading is None or self._closed)
-            self._read, self._requested = self._done, self._done - 1
+            self._read, self._requested, self._mapped = self._done, self._done - 1, self._done
+            mapped = list(self._pieces)
+        for g in mapped:
+            self._finish(g)
         for unit in self.streamed:
             self._drop_unit(unit)
+        if self.ring is not None and not self._pieces:
+            self.ring.empty()
 
     def settle(self) -> None:
         """Wait until the reader has read as far ahead as it may (for measurements)."""
@@ -419,7 +600,6 @@ class Streamer:
 
     def _advance(self, done: int) -> None:
         """Compute finished every unit before `done`: drop those it had not, but the one being read."""
-        n = len(self.streamed)
         with self._cond:
             first, self._done = self._done, max(self._done, done)
             finished = range(first, self._done)
@@ -429,25 +609,59 @@ class Streamer:
             self._idle = False
             self._cond.notify_all()
         for g in finished:
-            self._drop_unit(self.streamed[g % n])
+            self._finish(g)
+
+    def _finish(self, g: int) -> None:
+        """Compute is done with unit g: out of RAM (with a ring, the file mapped back over it first)."""
+        if self.ring is not None:
+            with self._cond:
+                pieces = self._pieces.pop(g, None)
+            try:
+                self.ring.map_out(self.base, self.fd, pieces or [])
+            except OSError as error:  # its ring bytes stay mapped, so they are never read into again
+                with self._cond:
+                    self._failed = error
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.ring.give_back(g)
+                self._cond.notify_all()
+        self._drop_unit(self.streamed[g % len(self.streamed)])
 
     def _work(self) -> None:
         n = len(self.streamed)
+        # A ring holds each unit once: never two passes' copies of a unit at a time.
+        most = AHEAD if self.ring is None else min(AHEAD, n - 1)
+
+        def waiting() -> bool:
+            if self._paused or self._read > self._done + most:
+                return True
+            return self.ring is not None and (
+                self._failed is not None or self.ring.free_bytes() < self._page_bytes[self._read % n]
+            )
+
         while True:
             with self._cond:
                 # A unit compute got to first is not worth reading now; the next pass reads it.
                 self._read = max(self._read, self._done)
-                while not self._closed and (self._paused or self._read > self._done + AHEAD):
+                while not self._closed and waiting():
                     self._idle = True
                     self._cond.notify_all()
                     self._cond.wait()
                     self._read = max(self._read, self._done)
                 if self._closed:
                     return
-                self._reading, self._read = self._read, self._read + 1
-                # Queue the next unit's reads too, so the disk has work while this one is mapped in.
-                ahead = self._read if self._read <= self._done + AHEAD and not self._paused else self._reading
-                first, self._requested = max(self._requested + 1, self._reading), max(self._requested, ahead)
+                g = self._reading = self._read
+                self._read += 1
+                if self.ring is not None:
+                    start = self.ring.take(g, self._page_bytes[g % n])
+                else:
+                    # Queue the next unit's reads too, so the disk has work while this one is mapped in.
+                    ahead = self._read if self._read <= self._done + AHEAD and not self._paused else g
+                    first, self._requested = max(self._requested + 1, g), max(self._requested, ahead)
+            if self.ring is not None:
+                self._read_into_ring(g, start)
+                continue
             for g in range(first, ahead + 1):
                 for span in self.streamed[g % n].spans:
                     self._request(*span)
@@ -459,6 +673,31 @@ class Streamer:
                 self._cond.notify_all()
             if late:
                 self._drop_unit(unit)
+
+    def _read_into_ring(self, g: int, start: int) -> None:
+        """Read unit g's whole pages past the page cache and map them in; its edge pages (shared with a
+        neighbour) through the page cache."""
+        unit = self.streamed[g % len(self.streamed)]
+        try:
+            pieces = self.ring.read(start, self._pages[g % len(self.streamed)])
+            for span in unit.spans:
+                for edge in _edges(*span):
+                    self._populate(*edge)
+            self.ring.map_in(self.base, pieces)
+        except OSError as error:
+            pieces, failed = [], error
+        else:
+            failed = None
+        with self._cond:
+            late, self._drop_after_read, self._reading = self._drop_after_read, False, None
+            self._failed = self._failed or failed
+            if not late and failed is None:
+                self._pieces[g] = pieces
+                self._mapped = max(self._mapped, g + 1)
+            self._cond.notify_all()
+        if late:  # compute finished it from the file meanwhile
+            self._pieces[g] = pieces
+            self._finish(g)
 
     def _drop_unit(self, unit: Unit) -> None:
         for span in unit.spans:
@@ -508,6 +747,10 @@ class Streamer:
             self._closed = True
             self._cond.notify_all()
         self._reader.join()
+        if self.ring is not None:
+            for g in list(self._pieces):
+                self._finish(g)
+            self.ring.close()
         os.close(self.fd)
 
 
