@@ -6,7 +6,9 @@ Modes, one after the other in one process (seconds per pass, the fastest of --re
 - `in RAM`: llama.cpp's default load (repacked weights);
 - `in RAM, repacking off`: the kernels a streamed run uses; then with llama.cpp's eval callback asking
   for each layer's output (a graph cut per layer, as streaming needs) and doing nothing;
-- `--ram SIZE`: the target streamed by specexec (`specexec.backends.llamacpp.stream`);
+- `--ram SIZE`: the target streamed by specexec (`specexec.backends.llamacpp.stream`), read past the
+  page cache into a ring of its own (O_DIRECT), then again read through the page cache, as where the
+  file system refuses O_DIRECT;
 - `evicted`: plain llama.cpp short of memory at its best: repacking off, the whole mapping evicted
   before every pass (the eviction not timed), the kernel's own readahead only.
 Each streamed mode also gives its MiB read from storage per pass, the time to read its streamed bytes
@@ -21,7 +23,7 @@ import argparse
 import json
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -57,6 +59,17 @@ class Listener:
 
     def close(self) -> None:
         pass
+
+
+@contextmanager
+def page_cache_reads():
+    """Streamers made meanwhile read through the page cache, as where O_DIRECT is refused."""
+    open_ring = stream.Streamer._open_ring
+    stream.Streamer._open_ring = lambda self: None
+    try:
+        yield
+    finally:
+        stream.Streamer._open_ring = open_ring
 
 
 @contextmanager
@@ -140,16 +153,19 @@ def main() -> None:
     resident.stream = Listener()  # what llama.cpp's eval callback costs: a graph cut per layer
     rows.append(("in RAM, repacking off, eval callback", *passes(resident, args.repeats), None))
     del resident  # a model that maps the file keeps its pages in RAM
-    for text in args.rams.split(","):
-        model = LlamaCppModel(gguf, args.threads, ram=parse_size(text, zero=True))
+    for text, reads in ((t, r) for t in args.rams.split(",") for r in ("direct", "page cache")):
+        with page_cache_reads() if reads == "page cache" else nullcontext():
+            model = LlamaCppModel(gguf, args.threads, ram=parse_size(text, zero=True))
         memory = model.memory()
         read_time = memory.streamed / memory.disk_bytes_per_second
         label = (
-            f"--ram {text}: {memory.resident / 2**20:.0f} MiB resident, {memory.streamed / 2**20:.0f} MiB "
-            f"streamed, disk {memory.disk_bytes_per_second / 1e9:.2f} GB/s, read time {read_time:.3f} s"
+            f"--ram {text} ({reads}): {memory.resident / 2**20:.0f} MiB resident, "
+            f"{memory.streamed / 2**20:.0f} MiB streamed, "
+            f"disk {memory.disk_bytes_per_second / 1e9:.2f} GB/s, "
+            f"read time {read_time:.3f} s"
         )
         rows.append((label, *passes(model, args.repeats), read_time))
-        peaks.append((text, peak_in_ram(model), memory))
+        peaks.append((f"{text} ({reads})", peak_in_ram(model), memory))
         del model
     with unrepacked():
         plain = LlamaCppModel(gguf, args.threads)
@@ -178,7 +194,7 @@ def main() -> None:
         )
 
     for text, peak, memory in peaks:
-        size = parse_size(text, zero=True)
+        size = parse_size(text.split()[0], zero=True)
         print(
             f"--ram {text}: at most {peak / 2**20:.0f} MiB of weights in RAM during passes (plan: "
             f"{memory.resident / 2**20:.0f} resident + {memory.window / 2**20:.0f} window; goal <= SIZE + 5%"

@@ -2,22 +2,24 @@
 
 llama.cpp maps the GGUF read-only and its CPU kernels read the weights straight from the mapping (with
 repacking off: `use_extra_bufts = False`, else some tensor types are copied into anonymous memory, which
-cannot be streamed). So the page cache decides what is in RAM, and left alone its LRU evicts each page
-just before the next pass needs it. `Streamer` steers it instead, in units of one layer (`blk.N`) plus
-the output head:
+cannot be streamed). Left to the page cache, its LRU evicts each page just before the next pass needs
+it. `Streamer` decides instead, in units of one layer (`blk.N`) plus the output head:
 
 - **resident** units stay in the page cache (populated at load, never dropped);
-- **streamed** units are read ahead of compute by a thread of ours (`posix_fadvise(WILLNEED)` to queue
-  large reads, then `madvise(MADV_POPULATE_READ)` to wait for them and map them), at most `AHEAD`
-  units beyond the one computing, and dropped behind it (`madvise(MADV_DONTNEED)` on the mapping, then
-  `posix_fadvise(DONTNEED)` on the file) as soon as llama.cpp's eval callback reports the layer's
-  output; after a pass the reader starts on the next pass's first units, while the draft works;
+- **streamed** units are read ahead of compute by a thread of ours, at most `AHEAD` units beyond the
+  one computing, and let go of as soon as llama.cpp's eval callback reports the layer's output; after a
+  pass the reader starts on the next pass's first units, while the draft works. Where the file system
+  takes O_DIRECT (`_Ring`), a unit is read past the page cache into memory of our own, mapped over the
+  unit's pages in llama.cpp's mapping once read whole (compute waits for it at the layer before), and
+  the file is mapped back there when compute is done. Elsewhere it goes through the page cache:
+  `posix_fadvise(WILLNEED)` to queue large reads, `madvise(MADV_POPULATE_READ)` to wait for them and
+  map them, and `madvise(MADV_DONTNEED)` then `posix_fadvise(DONTNEED)` to drop them;
 - the token embedding table is gathered a few rows a pass: it is never read ahead, and the rows a pass
   touched are dropped after it.
 
-Dropping a page never changes a result: a page of a clean file mapping is read again if touched again.
-The file is checked before every pass: one that changed on disk is an error (`LlamaCppError`), since a
-mapping of a file written in place would hand the kernels other weights.
+Neither way can change a result: a unit's addresses hold the file's bytes at all times, mapped from the
+file (read again if touched again) or from a copy read whole. The file is checked before every pass: one
+that changed on disk is an error (`LlamaCppError`), since the kernels would be handed other weights.
 """
 
 from __future__ import annotations
@@ -401,6 +403,14 @@ class _Ring:
         """Free the ring's memory (read into again, it is allocated again)."""
         _libc.madvise(self.address, self.size, MADV_REMOVE)
 
+    def in_ram(self) -> int:
+        """Bytes of the ring in RAM (mincore)."""
+        pages = self.size // PAGE
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(self.address, self.size, vec) != 0:
+            return 0
+        return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * PAGE
+
     def close(self) -> None:
         if self.address:
             _libc.munmap(self.address, self.size)
@@ -415,9 +425,10 @@ class Streamer:
     """Streams a plan's units through llama.cpp's mapping at `base` (see the module's docstring).
 
     The runner calls `begin` before and `end` after each `llama_decode`; llama.cpp's eval callback calls
-    `layer_done` at each layer's output, which drops the layer at once (two system calls), unless the
-    reader is reading it right then: a read in flight would land after the drop and stay, so the reader
-    drops it when its read is over. Units are counted across passes (unit i of pass p is p * n + i), so
+    `layer_done` at each layer's output, which lets go of the layer at once (a few system calls), unless
+    the reader is reading it right then: a read in flight would land after the drop and stay, so the
+    reader lets go of it when its read is over. With a ring, `begin` and `layer_done` also wait until the
+    next streamed unit is mapped in. Units are counted across passes (unit i of pass p is p * n + i), so
     the reader runs on into the next pass's first units while the draft works."""
 
     def __init__(self, gguf: Path, base: int, plan: Plan) -> None:
@@ -517,7 +528,7 @@ class Streamer:
         size = _most_in_a_row(self._page_bytes, min(AHEAD + 1, len(self._page_bytes)))
         try:
             return _Ring(self.gguf, size) if size else None
-        except OSError:
+        except (OSError, AttributeError):  # AttributeError: no os.memfd_create (a C library before 2.27)
             return None
 
     def populate_resident(self) -> None:
@@ -733,11 +744,16 @@ class Streamer:
         return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * PAGE
 
     def residency(self) -> tuple[int, int]:
-        """(bytes of the resident units in RAM, bytes of the streamed units in RAM)."""
+        """(bytes of the resident units in RAM, bytes of the streamed units in RAM). With a ring, the
+        second counts all of the ring's memory in RAM, holding a unit mapped in or not."""
         kept = sum(
             self.resident(*s) for u in self.plan.units if u.name not in self.plan.streamed for s in u.spans
         )
         streamed = sum(self.resident(*s) for u in self.streamed for s in u.spans)
+        if self.ring is not None:
+            with self._cond:
+                mapped_in = sum(n for pieces in self._pieces.values() for _, _, n in pieces)
+            streamed += self.ring.in_ram() - mapped_in
         return kept, streamed
 
     def close(self) -> None:
