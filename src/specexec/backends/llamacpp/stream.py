@@ -322,9 +322,9 @@ class _Ring:
     memory of our own (a memfd, `size` bytes used as a ring), which is then mapped over the unit's pages
     in llama.cpp's mapping (MAP_FIXED), until compute is done with it and the file is mapped back there.
 
-    The page cache's way costs CPU for every 4 KiB page: read ahead, mapped, unmapped and dropped, 0.2 s
-    of CPU per 512 MiB on a 2-core VM (the reader's part alone), while O_DIRECT into memory that stays
-    allocated, then mapping it in and out, took 0.07 s, and read faster (docs/bigger-than-ram.md). The
+    The page cache's way costs CPU for every 4 KiB page: read ahead, mapped, unmapped and dropped, 0.17-0.19
+    s of CPU per 504 MiB on a 2-core VM, while O_DIRECT into memory that stays allocated, then mapping it
+    in and out, took 0.08 s, and read faster (benchmarks/read_paths.py, docs/bigger-than-ram.md). The
     unit's addresses always hold its bytes: the file's, or the ring's once they are read whole. Only
     whole pages are mapped over; a page shared with a neighbouring unit stays the file's."""
 
