@@ -31,9 +31,7 @@ def cpu_seconds() -> float:
 
 def page_cache(base: int, fd: int, units: list[tuple[int, int]]) -> None:
     for start, end in units:
-        for chunk in range(start, end, stream.READ_CHUNK):
-            os.posix_fadvise(fd, chunk, min(stream.READ_CHUNK, end - chunk), os.POSIX_FADV_WILLNEED)
-        stream._libc.madvise(base + start, end - start, stream.MADV_POPULATE_READ)
+        stream.populate(base, fd, start, end)
         stream.drop(base, fd, start, end)
 
 

@@ -58,8 +58,8 @@ if _libc is not None:
     _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     _libc.mmap.restype = ctypes.c_void_p
-    _int, _size = ctypes.c_int, ctypes.c_size_t
-    _libc.mmap.argtypes = (ctypes.c_void_p, _size, _int, _int, _int, ctypes.c_long)
+    _int = ctypes.c_int
+    _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, _int, _int, _int, ctypes.c_long)
     _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     _libc.pread.restype = ctypes.c_ssize_t
     _libc.pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long)
@@ -287,6 +287,34 @@ def _edges(start: int, end: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ((first, inner_first), (inner_last, last)) if b > a]
 
 
+def request_reads(fd: int, start: int, end: int) -> None:
+    """Queue asynchronous reads of the file's start..end into the page cache (the kernel reads at most its
+    readahead size, read_ahead_kb, per request)."""
+    for chunk in range(start, end, READ_CHUNK):
+        os.posix_fadvise(fd, chunk, min(READ_CHUNK, end - chunk), os.POSIX_FADV_WILLNEED)
+
+
+def map_read(base: int, start: int, end: int) -> None:
+    """Wait for the file's start..end to be read and map it into the mapping at `base`."""
+    first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
+    if _libc.madvise(base + first, last - first, MADV_POPULATE_READ) != 0:
+        _libc.madvise(base + first, last - first, MADV_WILLNEED)  # kernels before 5.14
+
+
+def populate(base: int, fd: int, start: int, end: int) -> None:
+    """Read the file's start..end into the page cache and map it into the mapping at `base`."""
+    request_reads(fd, start, end)
+    map_read(base, start, end)
+
+
+def pages_in_ram(address: int, nbytes: int) -> int:
+    """Bytes of the pages at address..address + nbytes (page-aligned) that are in RAM (mincore)."""
+    vec = (ctypes.c_ubyte * (nbytes // PAGE))()
+    if _libc.mincore(address, nbytes, vec) != 0:
+        return 0
+    return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * PAGE
+
+
 def drop(base: int, fd: int, start: int, end: int) -> None:
     """Evict the file's pages wholly inside start..end from RAM: unmap them from the mapping at `base`,
     then drop them from the page cache."""
@@ -404,12 +432,8 @@ class _Ring:
         _libc.madvise(self.address, self.size, MADV_REMOVE)
 
     def in_ram(self) -> int:
-        """Bytes of the ring in RAM (mincore)."""
-        pages = self.size // PAGE
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(self.address, self.size, vec) != 0:
-            return 0
-        return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * PAGE
+        """Bytes of the ring in RAM."""
+        return pages_in_ram(self.address, self.size)
 
     def close(self) -> None:
         if self.address:
@@ -675,10 +699,10 @@ class Streamer:
                 continue
             for g in range(first, ahead + 1):
                 for span in self.streamed[g % n].spans:
-                    self._request(*span)
+                    request_reads(self.fd, *span)
             unit = self.streamed[self._reading % n]
             for span in unit.spans:
-                self._map(*span)
+                map_read(self.base, *span)
             with self._cond:
                 late, self._drop_after_read, self._reading = self._drop_after_read, False, None
                 self._cond.notify_all()
@@ -702,12 +726,11 @@ class Streamer:
         with self._cond:
             late, self._drop_after_read, self._reading = self._drop_after_read, False, None
             self._failed = self._failed or failed
+            self._pieces[g] = pieces
             if not late and failed is None:
-                self._pieces[g] = pieces
                 self._mapped = max(self._mapped, g + 1)
             self._cond.notify_all()
         if late:  # compute finished it from the file meanwhile
-            self._pieces[g] = pieces
             self._finish(g)
 
     def _drop_unit(self, unit: Unit) -> None:
@@ -715,21 +738,7 @@ class Streamer:
             self._drop(*span)
 
     def _populate(self, start: int, end: int) -> None:
-        """Read start..end into the page cache and map it."""
-        self._request(start, end)
-        self._map(start, end)
-
-    def _request(self, start: int, end: int) -> None:
-        """Queue asynchronous reads of start..end (the kernel reads at most its readahead size,
-        read_ahead_kb, per request)."""
-        for chunk in range(start, end, READ_CHUNK):
-            os.posix_fadvise(self.fd, chunk, min(READ_CHUNK, end - chunk), os.POSIX_FADV_WILLNEED)
-
-    def _map(self, start: int, end: int) -> None:
-        """Wait for start..end to be read and map it into llama.cpp's mapping."""
-        first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
-        if _libc.madvise(self.base + first, last - first, MADV_POPULATE_READ) != 0:
-            _libc.madvise(self.base + first, last - first, MADV_WILLNEED)  # kernels before 5.14
+        populate(self.base, self.fd, start, end)
 
     def _drop(self, start: int, end: int) -> None:
         drop(self.base, self.fd, start, end)
@@ -737,11 +746,7 @@ class Streamer:
     def resident(self, start: int, end: int) -> int:
         """Bytes of the file's start..end in the page cache (mincore over the mapping)."""
         first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
-        pages = (last - first) // PAGE
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(self.base + first, last - first, vec) != 0:
-            return 0
-        return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * PAGE
+        return pages_in_ram(self.base + first, last - first)
 
     def residency(self) -> tuple[int, int]:
         """(bytes of the resident units in RAM, bytes of the streamed units in RAM). With a ring, the
