@@ -273,6 +273,34 @@ def test_the_resident_part_stays_and_streamed_pages_do_not_pile_up(gguf: Path, r
     assert memory.disk_bytes_per_second > 0
 
 
+def test_between_passes_the_reader_fills_the_window_with_the_next_passs_first_units(
+    tmp_path: Path, reads: str
+) -> None:
+    # An output head as large as four layers sets the window (head + 2 layers): after a pass, while the
+    # draft works, the reader has room for the next pass's first six layers, not just two.
+    path = synced(write_random_gguf(tmp_path / "big-head.gguf", "qwen2", "f32", vocab=16384, hidden=256,
+                                    ffn=1024, layers=LAYERS))  # fmt: skip
+    model = streamed_model(path, reads, threads=2, ram=0)
+    streamer = model.stream
+    layers = [u for u in streamer.streamed if u.layer is not None]
+    head = next(u for u in streamer.streamed if u.layer is None)
+    assert head.nbytes > 3.5 * layers[0].nbytes
+    fitting = 0
+    while sum(u.nbytes for u in layers[: fitting + 1]) <= streamer.plan.window_bytes:
+        fitting += 1
+    assert fitting >= 5
+    runner = model.make_runner(64)
+    runner.extend(torch.tensor(PROMPT))
+    slack = 2 * stream.PAGE * len(layers)
+    for t in range(3):
+        runner.extend(torch.tensor([t + 20]))
+        streamer.settle()
+        held = {u.name: sum(streamer.resident(*s) for s in u.spans) for u in streamer.streamed}
+        ahead = sum(held[u.name] for u in layers[:fitting])
+        assert ahead >= sum(u.nbytes for u in layers[:fitting]) - slack, (t, held)
+        assert sum(held.values()) <= streamer.plan.window_bytes + slack, (t, held)
+
+
 def test_plain_llamacpp_short_of_memory_reads_the_whole_file_every_pass(gguf: Path) -> None:
     """The bench's plain `llamacpp` peer with --ram evicts the whole file before each pass, the pages a
     streamed model of the same file keeps resident included (else they stay cached for the peer too);

@@ -6,9 +6,11 @@ cannot be streamed). Left to the page cache, its LRU evicts each page just befor
 it. `Streamer` decides instead, in units of one layer (`blk.N`) plus the output head:
 
 - **resident** units stay in the page cache (populated at load, never dropped);
-- **streamed** units are read ahead of compute by a thread of ours, at most `AHEAD` units beyond the
-  one computing, and let go of as soon as llama.cpp's eval callback reports the layer's output; after a
-  pass the reader starts on the next pass's first units, while the draft works. Where the file system
+- **streamed** units are read ahead of compute by a thread of ours, as many as fit in the read-ahead
+  window (the bytes of the largest `AHEAD` + 1 units in a row) with the one computing, and let go of
+  as soon as llama.cpp's eval callback reports the layer's output; after a pass the reader reads the
+  next pass's first units into the whole window while the draft works (with a large output head, many
+  layers). Where the file system
   takes O_DIRECT (`_Ring`), a unit is read past the page cache into memory of our own, mapped over the
   unit's pages in llama.cpp's mapping once read whole (compute waits for it at the layer before), and
   the file is mapped back there when compute is done. Elsewhere it goes through the page cache:
@@ -43,7 +45,7 @@ from specexec.backends.llamacpp.library import LlamaCppError, tensor_name
 from specexec.sizes import format_bytes
 
 PAGE = mmap.PAGESIZE
-AHEAD = 2  # streamed units read ahead of the one computing: reads overlap compute, RAM stays bounded
+AHEAD = 2  # the window holds the unit computing and AHEAD more of the largest: reads overlap compute
 # <asm-generic/mman-common.h>, <bits/mman-linux.h>
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_REMOVE, MADV_POPULATE_READ = 1, 3, 4, 9, 22
 PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FIXED, MAP_POPULATE = 1, 2, 0x01, 0x10, 0x8000
@@ -97,7 +99,7 @@ class Plan:
 
     @property
     def window_bytes(self) -> int:
-        """The most streamed bytes held at once: a unit computing and the AHEAD read after it."""
+        """The most streamed bytes held at once: the largest AHEAD + 1 units in a row."""
         return window(self.units, self.streamed)
 
     @property
@@ -209,8 +211,9 @@ def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 def window(units: tuple[Unit, ...] | list[Unit], streamed: frozenset[str] | set[str]) -> int:
-    """The most streamed bytes in RAM at once: a unit computing and the (at most) AHEAD after it, counted
-    across the end of a pass (the reader goes on into the next pass's first units)."""
+    """The most streamed bytes in RAM at once: the largest AHEAD + 1 units in a row, counted across the
+    end of a pass (the reader goes on into the next pass's first units). The reader fills it with as
+    many units as fit: after a large unit, several small ones."""
     sizes = [u.nbytes for u in units if u.name in streamed]
     return _most_in_a_row(sizes, min(AHEAD + 1, len(sizes)))
 
@@ -512,6 +515,8 @@ class Streamer:
                 "program, or still being written?)"
             )
         self.disk_bytes_per_second = self._read_speed()
+        # Streamed bytes in RAM at once: the largest AHEAD + 1 units in a row (a pass's end included).
+        self._window = _most_in_a_row(self._page_bytes, min(AHEAD + 1, len(self._page_bytes)))
         self.ring = self._open_ring()
         self.eval_callback = eval_callback(self)  # a context's `cb_eval`
         self._reader = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
@@ -549,9 +554,8 @@ class Streamer:
     def _open_ring(self) -> _Ring | None:
         """A ring for the units in RAM at once, or None where the file system refuses O_DIRECT (the
         reader then reads through the page cache)."""
-        size = _most_in_a_row(self._page_bytes, min(AHEAD + 1, len(self._page_bytes)))
         try:
-            return _Ring(self.gguf, size) if size else None
+            return _Ring(self.gguf, self._window) if self._window else None
         except (OSError, AttributeError):  # AttributeError: no os.memfd_create (a C library before 2.27)
             return None
 
@@ -663,13 +667,20 @@ class Streamer:
                 self._cond.notify_all()
         self._drop_unit(self.streamed[g % len(self.streamed)])
 
+    def _fits(self, g: int) -> bool:
+        """Whether unit g may be read now: it and the units before it not yet finished by compute fit in
+        the read-ahead window, and no unit is held twice (two passes' copies)."""
+        n = len(self.streamed)
+        if g >= self._done + n:
+            return False
+        held = sum(self._page_bytes[u % n] for u in range(self._done, g + 1))
+        return held <= self._window
+
     def _work(self) -> None:
         n = len(self.streamed)
-        # A ring holds each unit once: never two passes' copies of a unit at a time.
-        most = AHEAD if self.ring is None else min(AHEAD, n - 1)
 
         def waiting() -> bool:
-            if self._paused or self._read > self._done + most:
+            if self._paused or not self._fits(self._read):
                 return True
             return self.ring is not None and (
                 self._failed is not None or self.ring.free_bytes() < self._page_bytes[self._read % n]
@@ -692,7 +703,7 @@ class Streamer:
                     start = self.ring.take(g, self._page_bytes[g % n])
                 else:
                     # Queue the next unit's reads too, so the disk has work while this one is mapped in.
-                    ahead = self._read if self._read <= self._done + AHEAD and not self._paused else g
+                    ahead = self._read if self._fits(self._read) and not self._paused else g
                     first, self._requested = max(self._requested + 1, g), max(self._requested, ahead)
             if self.ring is not None:
                 self._read_into_ring(g, start)
