@@ -30,6 +30,7 @@ from specexec.budget import (
     TreeBudget,
     best_threshold,
     catch_up_window,
+    chain_seconds,
 )
 from specexec.calibration import cached_cost_model
 from specexec.drafters import BestFirstDrafter, ChainDrafter, DraftRequest
@@ -285,10 +286,11 @@ def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) 
 
 
 def calibrate_on_a_fake_clock(
-    models, monkeypatch, seconds: Callable[[int, int], float]
+    models, monkeypatch, seconds: Callable[[int, int], float], head_start: Callable[[float], float] = None
 ) -> tuple[CostModel, list[int]]:
     """`calibration.calibrate` over runners whose k-th forward of n tokens takes `seconds(n, k)` on a
-    fake clock; also returns the sizes forwarded, in order."""
+    fake clock, less `head_start(pause)` for the target's forwards after a pause (as a streamed target
+    reads ahead); also returns the sizes forwarded, in order."""
     from specexec import calibration
 
     now = [0.0]
@@ -297,16 +299,26 @@ def calibrate_on_a_fake_clock(
     class FakeRunner:
         def __init__(self, model, capacity) -> None:
             self.device = torch.device("cpu")
+            self.is_target = model is models[0]
+            self.last_end = 0.0
 
         def extend(self, tokens, logits_to_keep=1) -> None:
             seen.append(tokens.numel())
-            now[0] += seconds(tokens.numel(), len(seen))
+            took = seconds(tokens.numel(), len(seen))
+            if head_start and self.is_target:
+                took -= head_start(now[0] - self.last_end)
+            now[0] += took
+            self.last_end = now[0]
 
         def keep(self, slots) -> None:
             pass
 
+    def sleep(pause: float) -> None:
+        now[0] += pause
+
     monkeypatch.setattr(calibration, "make_runner", FakeRunner)
     monkeypatch.setattr(calibration, "clock", lambda device: now[0])
+    monkeypatch.setattr(calibration, "sleep", sleep)
     target, draft, _ = models
     return calibration.calibrate(target, draft, progress=False), seen
 
@@ -342,6 +354,44 @@ def test_a_slow_target_is_timed_every_round_at_the_sizes_trees_use(models, monke
     for n in (3, 64):
         assert timed[n] == 6, timed  # three rounds, target and draft
     assert timed[128] == 2 and timed[256] == 1, timed  # once per model (the draft stops at 128)
+
+
+def test_calibration_times_what_a_pause_before_a_target_pass_saves(models, monkeypatch) -> None:
+    """A streamed target reads ahead while the draft works, up to its window: here a pass after a pause
+    is shorter by the pause, up to 0.2 s. The calibration finds those 0.2 s (its pause is as long as a
+    pass, 0.5 s), and nothing for a target in RAM."""
+    streamed, _ = calibrate_on_a_fake_clock(
+        models, monkeypatch, lambda n, k: 0.5 + 0.01 * n, head_start=lambda pause: min(pause, 0.2)
+    )
+    assert streamed.overlap == pytest.approx(0.2)
+    assert streamed.target_seconds(1) == pytest.approx(0.51)  # the curve: pass after pass
+    in_ram, _ = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.5 + 0.01 * n)
+    assert in_ram.overlap == 0.0
+    assert CostModel.from_json(streamed.to_json()).fingerprint() == streamed.fingerprint()
+
+
+def test_drafting_that_the_target_pass_takes_back_is_free(models, reference) -> None:
+    """With an overlap, the first draft passes of a step cost nothing: chains and trees grow, exactly."""
+    overlapped = CostModel(STEEP.target, STEEP.draft, overlap=0.3)
+    assert chain_seconds(overlapped, 3) == pytest.approx([STEEP.target_seconds(k + 1) for k in range(4)])
+    assert chain_seconds(overlapped, 4)[4] == pytest.approx(0.06 + STEEP.target_seconds(5))
+    # A draft pass (0.09 s) for a child of P 0.3: not worth its time, unless the target pass takes it back.
+    ranked = torch.tensor([0.3])
+    assert AutoBudget(STEEP).frontier_size(ranked, ranked, 0.0, 1.0) == 0
+    assert AutoBudget(overlapped).frontier_size(ranked, ranked, 0.0, 1.0) == 1
+    assert AutoBudget(overlapped).best_size(ranked, 0.25) == AutoBudget(overlapped).best_size(ranked, 0.0)
+    assert AutoBudget(STEEP).best_size(ranked, 0.25)[1] < AutoBudget(STEEP).best_size(ranked, 0.0)[1]
+    sizes, depths = {}, {}
+    for name, cost in (("plain", STEEP), ("overlapped", overlapped)):
+        tree = auto_generate(models, "specexec", cost)
+        chain = auto_generate(models, "dsl", cost)
+        assert tree.tokens == reference and chain.tokens == reference
+        sizes[name] = sum(tree.stats.tree_sizes) / len(tree.stats.tree_sizes)
+        depths[name] = sum(chain.stats.tree_depths) / len(chain.stats.tree_depths)
+    assert sizes["overlapped"] > 1.5 * sizes["plain"], sizes
+    assert depths["overlapped"] > depths["plain"], depths
+    with pytest.raises(ValueError, match="overlap"):
+        CostModel(STEEP.target, STEEP.draft, overlap=-0.1)
 
 
 def chain_length(stop: ChainCostStop, confidence: float, limit: int = 20) -> int:

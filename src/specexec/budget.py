@@ -138,14 +138,23 @@ class CostModel:
     Linear interpolation between measured sizes, and linear extrapolation past the last two (in
     proportion to size where the last two fall: a batch can cost less than a smaller one in llama.cpp,
     but no size past the last one timed is assumed to).
+
+    `overlap`: seconds of drafting before a target pass that the pass takes back. A target streamed from
+    disk reads its first units ahead while the draft works, up to its read-ahead window; the target
+    times were taken pass after pass, without that head start.
     """
 
-    def __init__(self, target: dict[int, float], draft: dict[int, float], label: str = "") -> None:
+    def __init__(
+        self, target: dict[int, float], draft: dict[int, float], label: str = "", overlap: float = 0.0
+    ) -> None:
         if len(target) < 2 or len(draft) < 2:
             raise ValueError("a cost model needs at least two measured sizes per model")
+        if overlap < 0:
+            raise ValueError("a cost model's overlap is a time: at least 0")
         self.target = dict(sorted(target.items()))
         self.draft = dict(sorted(draft.items()))
         self.label = label
+        self.overlap = overlap
 
     def target_seconds(self, tokens: int) -> float:
         return _interpolate(self.target, tokens)
@@ -153,17 +162,23 @@ class CostModel:
     def draft_seconds(self, nodes: int) -> float:
         return _interpolate(self.draft, nodes)
 
+    def exposed(self, drafting: torch.Tensor) -> torch.Tensor:
+        """What `drafting` seconds before a target pass add to a step: all but the `overlap` the pass
+        takes back, elementwise."""
+        return (drafting - self.overlap).clamp(min=0.0)
+
     def to_json(self) -> dict:
-        return {"label": self.label, "target": self.target, "draft": self.draft}
+        return {"label": self.label, "target": self.target, "draft": self.draft, "overlap": self.overlap}
 
     def fingerprint(self) -> tuple:
         """Equal for cost models of the same measurements (a calibration read from disk twice)."""
-        return self.label, tuple(self.target.items()), tuple(self.draft.items())
+        return self.label, tuple(self.target.items()), tuple(self.draft.items()), self.overlap
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         as_points = lambda d: {int(k): float(v) for k, v in d.items()}  # noqa: E731
-        return cls(as_points(data["target"]), as_points(data["draft"]), data.get("label", ""))
+        target, draft = as_points(data["target"]), as_points(data["draft"])
+        return cls(target, draft, data.get("label", ""), float(data.get("overlap", 0.0)))
 
 
 def _interpolate(points: dict[int, float], x: int) -> float:
@@ -305,9 +320,10 @@ class SpeculationGate:
 
 
 def chain_seconds(cost: CostModel, max_length: int) -> list[float]:
-    """T(k) for k = 0 .. max_length: k one-node draft passes and a target pass over k + 1 tokens."""
-    draft = cost.draft_seconds(1)
-    return [k * draft + cost.target_seconds(k + 1) for k in range(max_length + 1)]
+    """T(k) for k = 0 .. max_length: k one-node draft passes (less what the target pass takes back) and a
+    target pass over k + 1 tokens."""
+    drafting = cost.exposed(cost.draft_seconds(1) * torch.arange(max_length + 1.0))
+    return [float(d) + cost.target_seconds(k + 1) for k, d in enumerate(drafting)]
 
 
 def chain_pays(acceptance: float, rate: float, seconds: Sequence[float]) -> bool:
@@ -387,7 +403,8 @@ class AutoBudget(DraftingPolicy):
 
     A node is accepted with probability P = the product, along its path, of the `AcceptanceModel` rate of
     each token's conditional draft probability. The tree of size b (the b most likely nodes) is expected
-    to emit E(b) = 1 + the sum of their P in T(b) = draft time spent + target time for b + 1 tokens.
+    to emit E(b) = 1 + the sum of their P in T(b) = draft time spent (less the cost model's `overlap`)
+    + target time for b + 1 tokens.
     What a generation maximises is its total tokens over its total time, not each step's own E / T: a node
     is worth adding whenever it pays better than the rate the generation achieves, even if it lowers an
     already fast step's ratio. So each step maximises the value E(b) - λ T(b), λ being the achieved rate
@@ -427,13 +444,14 @@ class AutoBudget(DraftingPolicy):
     def best_size(self, ranked_probs: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
         """(b, value) maximising E(b) - λ T(b) over b = 0..len(ranked_probs), nodes best first."""
         gains = torch.cat([torch.ones(1), 1 + ranked_probs.cumsum(0)])  # (n+1,)
-        values = gains - self.gate.floor_rate * (draft_seconds + self.target_table[: len(gains)])  # (n+1,)
+        seconds = self.cost.exposed(torch.tensor(draft_seconds)) + self.target_table[: len(gains)]  # (n+1,)
+        values = gains - self.gate.floor_rate * seconds
         best = int(values.argmax())
         return best, float(values[best])
 
     def step_seconds(self, size: int, draft_seconds: float) -> float:
         """T(b) of a step that spent `draft_seconds` drafting and verifies `size` draft nodes."""
-        return draft_seconds + float(self.target_table[size])
+        return float(self.cost.exposed(torch.tensor(draft_seconds)) + self.target_table[size])
 
     def frontier_size(
         self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_accept: float
@@ -458,7 +476,8 @@ class AutoBudget(DraftingPolicy):
         nodes = nodes.sort(dim=1, descending=True).values[:, : self.max_budget]
         gains = torch.cat([torch.ones(count, 1), 1 + nodes.clamp(min=0).cumsum(1)], dim=1)  # (F, b + 1)
         sizes = gains.shape[1]
-        seconds = draft_seconds + self.draft_table[:count, None] + self.target_table[None, :sizes]
+        drafting = self.cost.exposed(draft_seconds + self.draft_table[:count, None])  # (F, 1)
+        seconds = drafting + self.target_table[None, :sizes]
         values = gains - self.gate.floor_rate * seconds  # (F, b + 1)
         drafted = torch.arange(sizes) <= len(ranked) + torch.arange(1, count + 1)[:, None]
         best = values.masked_fill(~drafted, float("-inf")).amax(dim=1)  # (F,)
@@ -492,10 +511,10 @@ class ChainCostStop(DraftingPolicy):
     Draft token i is accepted, given its predecessors were, with the `AcceptanceModel` rate of c_i, the
     draft's own probability for it, learnt from this generation's verifications. A chain of k tokens is
     then expected to emit E(k) = 1 + sum over j <= k of the products in T(k) = k single-token draft
-    passes + a target pass over k + 1 tokens (the cost model). As for `AutoBudget`, a chain maximises
-    E(k) - λ T(k), λ the achieved rate floored at plain decoding's; after each token it goes on if some
-    longer chain, up to `max_length`, is worth more, its further tokens assumed as likely as the last one
-    (so a cost curve that jumps once and is flat after does not stop it short).
+    passes (less the `overlap`) + a target pass over k + 1 tokens (the cost model). As for `AutoBudget`,
+    a chain maximises E(k) - λ T(k), λ the achieved rate floored at plain decoding's; after each token it
+    goes on if some longer chain, up to `max_length`, is worth more, its further tokens assumed as likely
+    as the last one (so a cost curve that jumps once and is flat after does not stop it short).
     """
 
     def __init__(self, cost: CostModel, max_length: int = 20) -> None:
@@ -537,8 +556,11 @@ class ChainCostStop(DraftingPolicy):
         labels = torch.arange(len(verified)) < accepted
         self.acceptance.observe(torch.tensor(verified), labels)
         if confidences:
-            catch_up = self.cost.draft_seconds(first_pass_tokens) - self.cost.draft_seconds(1)
-            self.gate.record(accepted + 1, self.chain_times[len(confidences)] + catch_up)
+            k = len(confidences)
+            drafting = k * self.cost.draft_seconds(1)
+            drafting += self.cost.draft_seconds(first_pass_tokens) - self.cost.draft_seconds(1)
+            seconds = float(self.cost.exposed(torch.tensor(drafting))) + self.cost.target_seconds(k + 1)
+            self.gate.record(accepted + 1, seconds)
         self.start()
 
 

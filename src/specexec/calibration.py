@@ -7,6 +7,7 @@ import hashlib
 import json
 import statistics
 from pathlib import Path
+from time import sleep
 
 import torch
 from tqdm.auto import tqdm
@@ -32,7 +33,7 @@ REPAY_LIMIT = 20
 SLOW_FORWARD = 0.25
 SLOW_REPEATED = 64
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
-CALIBRATION_FORMAT = "paired-ratios-slow-repeated"
+CALIBRATION_FORMAT = "paired-ratios-slow-repeated-overlap"
 
 
 def calibrate(
@@ -61,6 +62,11 @@ def calibrate(
     first one costing more than REPAY_LIMIT one-token target passes: on a CPU the sizes that cannot pay
     are also the slow ones to time. Then the sizes take turns (one sample of every size, then the next
     round).
+
+    The target's `overlap` is timed last: a one-token pass after a pause as long as itself, against one
+    right after another, paired, the median of `repeats` differences (at least 0). A target streamed
+    from disk reads ahead during the pause (as during drafting), up to its read-ahead window; a pause
+    as long as a pass leaves the reader time to fill it. A target in RAM gains nothing from a pause.
     """
     models = {"target": target, "draft": draft}
     runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
@@ -83,6 +89,13 @@ def calibrate(
         time_forward(name, 1)
         one = time_forward(name, 1)
         return one, (time_forward(name, n) / one if n > 1 else 1.0)
+
+    def time_overlap() -> float:
+        """How much sooner a one-token target pass ends after a pause as long as a pass."""
+        time_forward("target", 1)
+        back_to_back = time_forward("target", 1)
+        sleep(back_to_back)
+        return back_to_back - time_forward("target", 1)
 
     sizes: dict[str, list[int]] = {"target": [], "draft": []}
     warm: dict[str, float] = {}  # each model's first one-token forward, seconds
@@ -116,11 +129,12 @@ def calibrate(
                     ones[name].append(one)
                     ratios[name][n].append(ratio)
                     bar.update()
+        overlap = statistics.median(time_overlap() for _ in range(repeats))
     target_curve, draft_curve = (
         {n: statistics.median(ones[name]) * statistics.median(r) for n, r in ratios[name].items()}
         for name in models
     )
-    return CostModel(target_curve, draft_curve, label)
+    return CostModel(target_curve, draft_curve, label, max(0.0, overlap))
 
 
 def _rounds(sizes: dict[str, list[int]], repeats: int) -> list[list[tuple[str, int]]]:

@@ -222,6 +222,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         t = f"{cost.target[n]:.4f}" if n in cost.target else ""
         d = f"{cost.draft[n]:.4f}" if n in cost.draft else ""
         print(f"| {n} | {t} | {d} |")
+    print(f"overlap: {cost.overlap:.3f} s of drafting before a target pass that the pass takes back")
     return 0
 
 
