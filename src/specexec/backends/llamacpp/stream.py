@@ -489,6 +489,8 @@ class Streamer:
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}  # with a ring: each unit mapped in
         self._failed: OSError | None = None  # a read or a mapping of the ring failed
         self._drop_after_read = False  # compute finished it meanwhile: the reader drops it
+        self._remapping = 0  # ring mappings in or out under way
+        self._remaps = 0  # ring mappings in or out done
         self._cond = threading.Condition()
         self._closed = False
         self._paused = True  # read nothing ahead until the first pass begins, or after `release`
@@ -655,16 +657,17 @@ class Streamer:
         if self.ring is not None:
             with self._cond:
                 pieces = self._pieces.pop(g, None)
+                self._remapping += 1
             try:
                 self.ring.map_out(self.base, self.fd, pieces or [])
             except OSError as error:  # its ring bytes stay mapped, so they are never read into again
                 with self._cond:
                     self._failed = error
-                    self._cond.notify_all()
+                    self._remapped()
                 return
             with self._cond:
                 self.ring.give_back(g)
-                self._cond.notify_all()
+                self._remapped()
         self._drop_unit(self.streamed[g % len(self.streamed)])
 
     def _fits(self, g: int) -> bool:
@@ -724,11 +727,15 @@ class Streamer:
         """Read unit g's whole pages past the page cache and map them in; its edge pages (shared with a
         neighbour) through the page cache."""
         unit = self.streamed[g % len(self.streamed)]
+        mapping = False
         try:
             pieces = self.ring.read(start, self._pages[g % len(self.streamed)])
             for span in unit.spans:
                 for edge in _edges(*span):
                     self._populate(*edge)
+            with self._cond:
+                self._remapping += 1
+            mapping = True
             self.ring.map_in(self.base, pieces)
         except OSError as error:
             pieces, failed = [], error
@@ -740,6 +747,8 @@ class Streamer:
             self._pieces[g] = pieces
             if not late and failed is None:
                 self._mapped = max(self._mapped, g + 1)
+            if mapping:
+                self._remapped()
             self._cond.notify_all()
         if late:  # compute finished it from the file meanwhile
             self._finish(g)
@@ -759,18 +768,35 @@ class Streamer:
         first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
         return pages_in_ram(self.base + first, last - first)
 
+    def _remapped(self) -> None:
+        """A ring mapping in or out is over and recorded (called holding `_cond`)."""
+        self._remapping -= 1
+        self._remaps += 1
+        self._cond.notify_all()
+
     def residency(self) -> tuple[int, int]:
         """(bytes of the resident units in RAM, bytes of the streamed units in RAM). With a ring, the
-        second counts all of the ring's memory in RAM, holding a unit mapped in or not."""
-        kept = sum(
-            self.resident(*s) for u in self.plan.units if u.name not in self.plan.streamed for s in u.spans
-        )
-        streamed = sum(self.resident(*s) for u in self.streamed for s in u.spans)
-        if self.ring is not None:
+        second counts all of the ring's memory in RAM, holding a unit mapped in or not, and the pages of
+        units mapped in once only: counted between two mappings in or out, retried otherwise (a unit
+        being mapped in or out is in both places at once)."""
+        while True:
             with self._cond:
+                settled, remaps = self._remapping == 0, self._remaps
                 mapped_in = sum(n for pieces in self._pieces.values() for _, _, n in pieces)
-            streamed += self.ring.in_ram() - mapped_in
-        return kept, streamed
+            if settled:
+                kept = sum(
+                    self.resident(*s)
+                    for u in self.plan.units
+                    if u.name not in self.plan.streamed
+                    for s in u.spans
+                )
+                streamed = sum(self.resident(*s) for u in self.streamed for s in u.spans)
+                if self.ring is not None:
+                    streamed += self.ring.in_ram() - mapped_in
+                with self._cond:
+                    if self._remapping == 0 and self._remaps == remaps:
+                        return kept, streamed
+            time.sleep(0.0005)
 
     def close(self) -> None:
         with self._cond:
