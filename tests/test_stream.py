@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -341,6 +342,35 @@ def test_a_gguf_changed_on_disk_is_an_error_and_streaming_never_writes_it(tmp_pa
         f.write(bytes(16))
     with pytest.raises(LlamaCppError, match="changed on disk during the run"):
         runner.extend(torch.tensor([5]))
+
+
+def test_a_unit_being_mapped_in_counts_once_in_ram(gguf: Path, monkeypatch) -> None:
+    """Right after a unit's ring memory is mapped over its pages, and before the reader records it as
+    mapped in, its pages are in both places: counting then would add it twice (it did, 423 MiB against
+    a 240 MiB window for the 1.5B target). A count asked for meanwhile waits until the mapping is
+    recorded."""
+    if not direct_reads(gguf):
+        pytest.skip("this file system refuses O_DIRECT reads")
+    model = LlamaCppModel(gguf, threads=2, ram=0)
+    streamer = model.stream
+    counts: list[tuple[int, int]] = []
+    waited: list[bool] = []
+    map_in = stream._Ring.map_in
+
+    def mapping_in(ring, base, pieces) -> None:
+        map_in(ring, base, pieces)
+        if not waited:  # once: a count from another thread while this unit is half recorded
+            counter = threading.Thread(target=lambda: counts.append(streamer.residency()))
+            counter.start()
+            counter.join(0.2)
+            waited.append(counter.is_alive())  # it waits for the mapping to be recorded
+
+    monkeypatch.setattr(stream._Ring, "map_in", mapping_in)
+    model.make_runner(64).extend(torch.tensor(PROMPT))
+    streamer.settle()
+    slack = 2 * stream.PAGE * len(streamer.plan.units)
+    assert waited == [True]
+    assert counts and counts[0][1] <= streamer.plan.window_bytes + slack
 
 
 def test_a_failed_read_stops_the_run_with_a_one_line_error(gguf: Path, monkeypatch) -> None:
