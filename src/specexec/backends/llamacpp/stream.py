@@ -10,12 +10,12 @@ it. `Streamer` decides instead, in units of one layer (`blk.N`) plus the output 
   window (the bytes of the largest `AHEAD` + 1 units in a row) with the one computing, and let go of
   as soon as llama.cpp's eval callback reports the layer's output; after a pass the reader reads the
   next pass's first units into the whole window while the draft works (with a large output head, many
-  layers). Where the file system
-  takes O_DIRECT (`_Ring`), a unit is read past the page cache into memory of our own, mapped over the
-  unit's pages in llama.cpp's mapping once read whole (compute waits for it at the layer before), and
-  the file is mapped back there when compute is done. Elsewhere it goes through the page cache:
-  `posix_fadvise(WILLNEED)` to queue large reads, `madvise(MADV_POPULATE_READ)` to wait for them and
-  map them, and `madvise(MADV_DONTNEED)` then `posix_fadvise(DONTNEED)` to drop them;
+  layers). Where the file system takes O_DIRECT (`_Ring`), a unit is read past the page cache into
+  memory of our own, mapped over the unit's pages in llama.cpp's mapping once read whole (compute waits
+  for it at the layer before), and the file is mapped back there when compute is done. Elsewhere it
+  goes through the page cache: `posix_fadvise(WILLNEED)` to queue large reads,
+  `madvise(MADV_POPULATE_READ)` to wait for them and map them, and `madvise(MADV_DONTNEED)` then
+  `posix_fadvise(DONTNEED)` to drop them;
 - the token embedding table is gathered a few rows a pass: it is never read ahead, and the rows a pass
   touched are dropped after it.
 
@@ -214,7 +214,11 @@ def window(units: tuple[Unit, ...] | list[Unit], streamed: frozenset[str] | set[
     """The most streamed bytes in RAM at once: the largest AHEAD + 1 units in a row, counted across the
     end of a pass (the reader goes on into the next pass's first units). The reader fills it with as
     many units as fit: after a large unit, several small ones."""
-    sizes = [u.nbytes for u in units if u.name in streamed]
+    return _window([u.nbytes for u in units if u.name in streamed])
+
+
+def _window(sizes: list[int]) -> int:
+    """The read-ahead window over streamed units of `sizes` bytes, in pass order."""
     return _most_in_a_row(sizes, min(AHEAD + 1, len(sizes)))
 
 
@@ -517,8 +521,7 @@ class Streamer:
                 "program, or still being written?)"
             )
         self.disk_bytes_per_second = self._read_speed()
-        # Streamed bytes in RAM at once: the largest AHEAD + 1 units in a row (a pass's end included).
-        self._window = _most_in_a_row(self._page_bytes, min(AHEAD + 1, len(self._page_bytes)))
+        self._window = _window(self._page_bytes)  # the window over the units' whole pages (a ring's size)
         self.ring = self._open_ring()
         self.eval_callback = eval_callback(self)  # a context's `cb_eval`
         self._reader = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
