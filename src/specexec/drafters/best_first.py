@@ -12,6 +12,7 @@ and below the best leaf once the tree is final (`specexec.drafters.lookup`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -172,17 +173,18 @@ class BestFirstDrafter(DrafterBase):
         """Add each `frontier` node's `width` most probable children (logits (F, V)), scored by cumulative
         draft log-probability; returns their log-probabilities given the parent, (F, W).
 
-        When sampling, the probabilities are the draft's under the generation's own temperature, top-k and
-        top-p: the target samples from its distribution under those, so they rank continuations by how
-        likely the target is to emit them, and a token outside the draft's top-p set (never emitted if the
-        two models agree) gets no node. Greedy ranks by the draft's plain probabilities."""
+        When sampling, the probabilities are the draft's under the generation's temperature and top-k, the
+        target's own for a draft that agreed with it. Not under its top-p: the draft's nucleus is often a
+        single token where the target's holds a second one, and a sibling that the target may sample is
+        worth a node (the auto budget learns how often each draft probability is accepted). Greedy ranks by
+        the draft's plain probabilities."""
         width = min(self.width, logits.shape[-1])
         if sampling.greedy:
             top = torch.topk(logits, width)  # (F, W)
             log_probs = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
         else:
-            top = torch.topk(probs_from_logits(logits, sampling).log(), width)  # -inf outside top-k / top-p
-            log_probs = top.values
+            top = torch.topk(probs_from_logits(logits, replace(sampling, top_p=1.0)), width)  # (F, W)
+            log_probs = top.values.log()  # -inf outside top-k
         log_probs = log_probs.clamp(max=0.0)  # (F, W)
         scores = tree.scores[frontier, None] + log_probs  # cumulative log-probability
         fresh = scores.isfinite()
