@@ -289,6 +289,26 @@ def test_a_context_grows_and_truncates_without_changing_logits(model, monkeypatc
     assert llamacpp._in_blocks(1) == 4 and LlamaCppRunner(target, 1).capacity == 4
 
 
+def test_a_block_split_into_batches_keeps_each_row_in_its_place(model, monkeypatch) -> None:
+    """A block longer than a llama_decode batch: every batch's kept rows land where they belong, in the
+    order asked for, whichever batches keep none."""
+    from specexec.backends.llamacpp import runner as llamacpp
+
+    target = model("qwen2", "q8_0")
+    # A batch holds at least a row per sequence (llama.cpp asserts it when a context is made).
+    monkeypatch.setattr(llamacpp, "BATCH", llamacpp.MAX_SEQUENCES)
+    tokens = torch.tensor(PROMPT * 75)  # (600,): batches of 256, 256 and 88 tokens
+    pieces = LlamaCppRunner(target, len(tokens))
+    reference = torch.cat(
+        [pieces.extend(tokens[a:b], logits_to_keep=0) for a, b in ((0, 100), (100, 400), (400, 600))]
+    )
+    whole = LlamaCppRunner(target, len(tokens)).extend(tokens, logits_to_keep=0)
+    assert torch.equal(whole, reference)
+    rows = torch.tensor([590, 3, 255])  # the last and first batches, out of order; the second keeps none
+    kept = LlamaCppRunner(target, len(tokens)).extend(tokens, logits_to_keep=rows)
+    assert torch.equal(kept, reference[rows])
+
+
 def test_a_context_holds_one_sequence_until_its_first_tree(model) -> None:
     """llama.cpp reserves a logits row per sequence: plain decoding keeps one, and the first tree moves
     the committed tokens into a context with every sequence, its logits unchanged."""
