@@ -782,17 +782,14 @@ class Streamer:
         second counts all of the ring's memory in RAM, holding a unit mapped in or not, and the pages of
         units mapped in once only: counted between two mappings in or out, retried otherwise (a unit
         being mapped in or out is in both places at once)."""
+        kept = sum(
+            self.resident(*s) for u in self.plan.units if u.name not in self.plan.streamed for s in u.spans
+        )  # resident units are never remapped
         while True:
             with self._cond:
                 settled, remaps = self._remapping == 0, self._remaps
                 mapped_in = sum(n for pieces in self._pieces.values() for _, _, n in pieces)
             if settled:
-                kept = sum(
-                    self.resident(*s)
-                    for u in self.plan.units
-                    if u.name not in self.plan.streamed
-                    for s in u.spans
-                )
                 streamed = sum(self.resident(*s) for u in self.streamed for s in u.spans)
                 if self.ring is not None:
                     streamed += self.ring.in_ram() - mapped_in
