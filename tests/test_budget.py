@@ -229,8 +229,20 @@ def test_acceptance_model_learns_conditional_rates() -> None:
     model = AcceptanceModel(prior_weight=2.0)
     assert float(model(torch.tensor([0.55]))) == pytest.approx(0.55)  # the prior: trust the draft
     model.observe(torch.full((8,), 0.55), torch.ones(8, dtype=torch.bool))  # under-confident draft
-    assert float(model(torch.tensor([0.51]))) == pytest.approx((8 + 1.1) / 10)
+    assert float(model(torch.tensor([0.51]))) == pytest.approx((8 + 2 * 0.51) / 10)
     assert float(model(torch.tensor([0.95]))) == pytest.approx(0.95)  # other bins untouched
+
+
+def test_acceptance_model_rates_unlikely_tokens_apart() -> None:
+    # A sampled tree's many siblings far below 0.1: before any verification each is rated as the draft
+    # says, not at a shared bin's middle; what is learnt about the rarest does not move the likelier.
+    model = AcceptanceModel(prior_weight=2.0)
+    assert model(torch.tensor([0.002, 0.02, 0.08])).tolist() == pytest.approx([0.002, 0.02, 0.08])
+    model.observe(torch.full((20,), 0.0005), torch.zeros(20, dtype=torch.bool))
+    model.observe(torch.full((20,), 0.05), torch.ones(20, dtype=torch.bool))  # an under-confident draft
+    rare, fair = model(torch.tensor([0.0002, 0.06])).tolist()
+    assert rare == pytest.approx(0.0004 / 22)
+    assert fair == pytest.approx((20 + 0.12) / 22)
 
 
 def test_auto_budget_labels_the_children_of_accepted_nodes_and_multiplies_rates() -> None:
@@ -240,10 +252,10 @@ def test_auto_budget_labels_the_children_of_accepted_nodes_and_multiplies_rates(
     (c,) = tree.add(a[None], torch.tensor([3]), torch.log(torch.tensor([0.8 * 0.5])))
     policy = AutoBudget(STEEP)
     probs = policy.node_probs(tree)
-    assert probs.tolist() == pytest.approx([1.0, 0.85, 0.25, 0.85 * 0.55])  # bin middles: the prior
+    assert probs.tolist() == pytest.approx([1.0, 0.8, 0.23, 0.8 * 0.5])  # the prior: the draft's own
     policy.observe(tree, [int(a)], drafted=tree.size)
     rates = policy.acceptance(torch.tensor([0.8, 0.23, 0.5]))
-    assert rates.tolist() == pytest.approx([(1.7 + 1) / 3, 0.5 / 3, 1.1 / 3])
+    assert rates.tolist() == pytest.approx([(1 + 1.6) / 3, 0.46 / 3, 1.0 / 3])
 
 
 @pytest.fixture(scope="module")

@@ -195,36 +195,47 @@ class AcceptanceModel:
     """P(a draft token is accepted | its parent was), as a function of the draft's own probability q for
     it (given its parent), learnt online per generation.
 
-    Per bin of q (10 bins of width 0.1): (accepted + w * q_mid) / (tried + w), a prior of `prior_weight`
-    tokens as likely as the draft says. Conditional rates rather than one global scale, because a draft
-    is typically under-confident on easy text and over-confident on hard text, and because the path
-    probability of a deep node is the product of these rates, not a scaled product of draft
-    probabilities.
+    Per bin of q: (accepted + w * q) / (tried + w), the bin's verified tokens plus a prior of `w`
+    (`prior_weight`) tokens as likely as the draft says for this one. Conditional rates rather than one
+    global scale, because a draft is typically under-confident on easy text and over-confident on hard
+    text, and because the path probability of a deep node is the product of these rates, not a scaled
+    product of draft probabilities. Bins are 0.1 wide above 0.1 and shrink threefold per bin below it:
+    a sampled tree holds many siblings of q 0.001-0.03, and rating them alike (once all at 0.05, the
+    middle of one bin below 0.1) made a first generation at T=0.6 draft three times as long a step.
     """
 
-    BINS = 10
+    # Upper edges of every bin but the last (which ends at 1).
+    EDGES = torch.tensor([0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    BINS = len(EDGES) + 1
 
     def __init__(self, prior_weight: float = 2.0) -> None:
-        middles = (torch.arange(self.BINS) + 0.5) / self.BINS
-        self.accepted = middles * prior_weight
-        self.tried = torch.full((self.BINS,), prior_weight)
+        self.prior_weight = prior_weight
+        self.accepted = torch.zeros(self.BINS)
+        self.tried = torch.zeros(self.BINS)
 
     def __call__(self, q: torch.Tensor) -> torch.Tensor:
-        return (self.accepted / self.tried)[self._bin(q)]
+        q = q.float().cpu().clamp(0.0, 1.0)
+        bins = self._bin(q)
+        return (self.accepted[bins] + self.prior_weight * q) / (self.tried[bins] + self.prior_weight)
+
+    def surest(self) -> float:
+        """The rate of the top bin's tokens, at its middle (q 0.95): a draft that is never wrong is no
+        prior to judge drafting by."""
+        return float(self(torch.tensor([0.95]))[0])
 
     def observe(self, q: torch.Tensor, accepted: torch.Tensor) -> None:
         """Verified draft tokens: their draft probabilities q and whether each was accepted. A bin keeps
         its last ACCEPTANCE_MEMORY tokens' worth (older ones fade), so rates learnt over many generations
         still follow the text."""
-        bins = self._bin(q)
-        self.tried.index_add_(0, bins, torch.ones_like(q, dtype=self.tried.dtype))
-        self.accepted.index_add_(0, bins, accepted.to(self.accepted.dtype))
-        fade = (ACCEPTANCE_MEMORY / self.tried).clamp(max=1.0)
+        bins = self._bin(q.float().cpu())
+        self.tried.index_add_(0, bins, torch.ones(len(bins), dtype=self.tried.dtype))
+        self.accepted.index_add_(0, bins, accepted.cpu().to(self.accepted.dtype))
+        fade = (ACCEPTANCE_MEMORY / self.tried.clamp(min=1.0)).clamp(max=1.0)
         self.tried *= fade
         self.accepted *= fade
 
     def _bin(self, q: torch.Tensor) -> torch.Tensor:
-        return (q.float() * self.BINS).long().clamp(0, self.BINS - 1).cpu()
+        return torch.bucketize(q, self.EDGES, right=True)
 
     def state(self) -> dict:
         return {"accepted": self.accepted.tolist(), "tried": self.tried.tolist()}
@@ -232,7 +243,8 @@ class AcceptanceModel:
     def restore(self, state: dict) -> None:
         accepted = torch.tensor(state["accepted"], dtype=self.accepted.dtype)
         tried = torch.tensor(state["tried"], dtype=self.tried.dtype)
-        if accepted.shape != (self.BINS,) or tried.shape != (self.BINS,) or bool((tried <= 0).any()):
+        valid = accepted.shape == (self.BINS,) and tried.shape == (self.BINS,)
+        if not valid or bool((accepted < 0).any() or (accepted > tried).any()):
             raise ValueError("not an acceptance state of this model")
         self.accepted, self.tried = accepted, tried
 
@@ -386,7 +398,7 @@ class DraftingPolicy:
 
     def worth_drafting(self) -> bool:
         """Whether a step could gain by drafting (`chain_pays` at the surest tokens' learnt acceptance)."""
-        return chain_pays(float(self.acceptance(torch.ones(1))[0]), self.gate.floor_rate, self.chain_times)
+        return chain_pays(self.acceptance.surest(), self.gate.floor_rate, self.chain_times)
 
     def drafts_now(self) -> bool:
         """Whether this step drafts (consumes one step of the gate's pause when not)."""

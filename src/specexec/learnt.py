@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from specexec.budget import AutoBudget, ChainCostStop
 
-LEARNT_FORMAT = 1  # a saved `LearntPolicies` file of another format is ignored
+LEARNT_FORMAT = 2  # a saved `LearntPolicies` file of another format is ignored
 Policy = TypeVar("Policy", AutoBudget, ChainCostStop)
 
 
