@@ -221,7 +221,7 @@ class AcceptanceModel:
     def surest(self) -> float:
         """The rate of the top bin's tokens, at its middle (q 0.95): a draft that is never wrong is no
         prior to judge drafting by."""
-        return float(self(torch.tensor([0.95]))[0])
+        return float(self((self.EDGES[-1:] + 1.0) / 2)[0])
 
     def observe(self, q: torch.Tensor, accepted: torch.Tensor) -> None:
         """Verified draft tokens: their draft probabilities q and whether each was accepted. A bin keeps
