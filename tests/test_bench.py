@@ -184,6 +184,8 @@ def test_schema(greedy) -> None:
         assert row["tok_per_s"] == pytest.approx(row["new_tokens"] / row["decode_seconds"])
         assert row["tok_per_s_with_prefill"] == pytest.approx(row["new_tokens"] / row["wall_seconds"])
         assert row["tok_per_s_with_prefill"] <= row["tok_per_s"]
+        assert row["tok_per_s_target_bound"] == pytest.approx(row["new_tokens"] / row["target_seconds"])
+        assert row["tok_per_s_target_bound"] > row["tok_per_s"], "decoding holds more than target forwards"
         assert row["draft_share"] + row["target_share"] + row["overhead_share"] == pytest.approx(
             1.0, abs=1e-6
         )

@@ -11,6 +11,9 @@ Metric definitions (per configuration, summed over prompts and repeats, warm-up 
   (prompt, repeat) of the same ratio within the pass, which the machine's drift between passes moves less.
 - draft/target/overhead seconds: inside the draft's forwards, inside the target's forwards, and the rest
   of the decode time; *_share are fractions of decode_seconds.
+- tok_per_s_target_bound: new tokens / target seconds: the speed these trees would give were drafting
+  and overhead free, so a ceiling for any faster drafter of the same trees (a streamed target's pass
+  after drafting is shorter than after none, which only raises the ceiling).
 - mean_tree_size / mean_tree_depth: draft tokens verified per target forward and the depth of that
   tree, averaged over all steps of all prompts (chains for sd and the HF methods: depth = size).
 - identical_to_ar (greedy only, else null): every prompt's output equals ar's, token for token; ar of
@@ -126,6 +129,7 @@ def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
         sum(r["new_tokens"] for r in faster.values()), sum(r["decode_seconds"] for r in faster.values())
     )
     row["tok_per_s_with_prefill"] = _ratio(row["new_tokens"], row["wall_seconds"])
+    row["tok_per_s_target_bound"] = _ratio(row["new_tokens"], row["target_seconds"])
     for part in ("draft", "target", "overhead"):
         row[f"{part}_share"] = _ratio(row[f"{part}_seconds"], decode)
     row["mean_tree_size"] = _mean([x for r in group for x in r["tree_sizes"] or []])
@@ -309,8 +313,8 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "",
         "| config | tok/call | tok/call (mean per prompt) | decode tok/s | tok/s incl. prefill "
         "| speedup vs ar | paired vs ar | faster repeat: tok/s (vs ar) | draft / target / overhead "
-        "| tree size | tree depth | target calls | new tokens | identical to ar |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        "| target-bound tok/s | tree size | tree depth | target calls | new tokens | identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         shares = " / ".join(_pct(row[f"{p}_share"]) for p in ("draft", "target", "overhead"))
@@ -320,6 +324,7 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
             f"| {_num(row['speedup_vs_ar'], 'x')} | {_num(row['speedup_vs_ar_paired'], 'x')} "
             f"| {_num(row['tok_per_s_faster_repeat'])} "
             f"({_num(row['speedup_vs_ar_faster_repeat'], 'x')}) | {shares} "
+            f"| {_num(row['tok_per_s_target_bound'])} "
             f"| {_num(row['mean_tree_size'], digits=1)} | {_num(row['mean_tree_depth'], digits=1)} "
             f"| {row['target_calls']} | {row['new_tokens']} "
             f"| {_identical(row)} |"
@@ -365,6 +370,8 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "the machine's drift between passes moves it less. Faster repeat: the same as speedup, counting "
         "for each prompt only its fastest repeat (with --repeats R > 1), which a one-off stall of the "
         "machine moves less.",
+        "- target-bound tok/s: new tokens / seconds inside the target's forwards: the speed were drafting "
+        "and overhead free, a ceiling for any faster drafter of the same trees.",
         "- Every configuration ran on the same prompts with the same seed per prompt, interleaved (the order "
         "rotated per prompt), after a warm-up generation per configuration that is not counted. With "
         "`--repeats R` every prompt ran R times per configuration (same seed, same tokens; the order "
