@@ -350,8 +350,8 @@ def test_calibration_does_not_time_sizes_that_cannot_pay(models, monkeypatch) ->
     """A CPU where cost grows with every token: sizes past REPAY_LIMIT one-token target passes are never
     run (they would be the slowest to time), and the curve extrapolates past the last one timed."""
     cost, seen = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.05 * n)
-    assert max(cost.target) == 32 and max(cost.draft) == 32  # 32 costs 32 > 20 passes; 64 never ran
-    assert max(n for n in seen if n != 256) == 32  # 256: the context
+    assert max(cost.target) == 31 and max(cost.draft) == 31  # 31 costs 31 > 20 passes; 32 never ran
+    assert max(n for n in seen if n != 256) == 31  # 256: the context
     assert cost.target_seconds(64) == pytest.approx(3.2)
 
 
@@ -474,7 +474,7 @@ def test_calibration_keeps_a_batch_that_costs_less_than_a_smaller_one(models, mo
 
     def seconds(n: int, k: int) -> float:
         speed = 1.8 if (k // 20) % 2 else 1.0
-        return 0.1 * speed * (shape[n] if n in shape else 1.5 * n)
+        return 0.1 * speed * (shape[n] if n in shape else n / 4)
 
     cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, seconds)
     for curve in (cost.target, cost.draft):
@@ -482,12 +482,26 @@ def test_calibration_keeps_a_batch_that_costs_less_than_a_smaller_one(models, mo
         assert ratios == pytest.approx({n: shape[n] for n in ratios}, rel=0.02), ratios
     assert cost.target_seconds(4) < cost.target_seconds(3)
     assert cost.target_seconds(64) > cost.target_seconds(32) > cost.target_seconds(16)
-    # A chain of sure draft tokens does not stop at 2 (3 tokens verified) when 3 verify for less.
-    stop = ChainCostStop(cost)
+    # A chain of sure draft tokens does not stop at 2 (3 tokens verified) when 3 verify for less (the
+    # draft at a tenth of the target's cost: at the same cost no chain pays).
+    stop = ChainCostStop(CostModel(cost.target, {n: seconds / 10 for n, seconds in cost.draft.items()}))
     assert chain_length(stop, 0.95, limit=3) == 3
     # A tree of 2 sure nodes and a third as likely is verified whole (4 tokens), not cut at 3.
     policy = AutoBudget(cost)
     assert policy.best_size(torch.tensor([0.9, 0.8, 0.7]), draft_seconds=0.0)[0] == 3
+
+
+def test_calibration_sees_passes_step_up_past_a_multiple_of_16(models, monkeypatch) -> None:
+    """llama.cpp's CPU passes cost least at a multiple of 16 tokens and step up one token past it (the
+    1.5B target streamed from disk: 16 tokens 0.49 s, 17 0.54 s). Here each started block of 16 tokens
+    costs 0.1 s over 0.5 s. The curve must show the steps, and the auto budget must then verify trees
+    whose pass (the nodes and the root) fills its last block: 15, 31 or 63 nodes, not one more."""
+    cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.5 + 0.1 * -(-n // 16))
+    for tokens, seconds in ((16, 0.6), (17, 0.7), (24, 0.7), (32, 0.7), (33, 0.8), (64, 0.9), (65, 1.0)):
+        assert cost.target_seconds(tokens) == pytest.approx(seconds), tokens
+    policy = AutoBudget(cost)
+    ranked = [decay ** torch.arange(1.0, 64.0) for decay in (0.5, 0.85, 0.95)]  # 63 nodes, best first
+    assert [policy.best_size(probs, draft_seconds=0.0)[0] for probs in ranked] == [15, 31, 63]
 
 
 def test_speculation_gate_backs_off_fast_where_drafting_has_been_losing() -> None:

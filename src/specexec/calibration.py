@@ -18,9 +18,14 @@ from specexec.learnt import LearntPolicies
 from specexec.paths import cache_root
 from specexec.timing import clock
 
-# Small sizes are dense: low-bit kernels (torch's `--quant`) make the cost jump after a few rows.
-TARGET_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024)
-DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
+# Small sizes are dense: low-bit kernels (torch's `--quant`) make the cost jump after a few rows. Around
+# each multiple of 16 the sizes come in threes: llama.cpp's CPU passes cost least at a multiple of 16
+# tokens and step up one token past it (the 1.5B target streamed from disk, 2 cores: 16 tokens 0.49 s,
+# 17 0.54 s, 32 0.58 s, 33 0.66 s; the 0.5B draft in RAM: 15 tokens 0.146 s, 16 0.128 s, 17 0.150 s).
+# Timed at the multiples alone, the curve priced a 33-token pass as a 32-token one.
+_AROUND_16 = tuple(n for block in (16, 32, 48, 64, 128) for n in (block - 1, block, block + 1))
+TARGET_SIZES = (1, 2, 3, 4, 6, 8, *_AROUND_16, 256, 512, 1024)
+DRAFT_SIZES = tuple(n for n in TARGET_SIZES if n <= 128)
 # A forward that costs more than this many one-token target passes cannot be repaid (no step is expected
 # to emit more tokens; published SpecExec trees reach about 20): larger sizes are not timed, and the
 # cost model extrapolates past the last one timed.
@@ -33,7 +38,7 @@ REPAY_LIMIT = 20
 SLOW_FORWARD = 0.25
 SLOW_REPEATED = 64
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
-CALIBRATION_FORMAT = "paired-ratios-slow-repeated-overlap"
+CALIBRATION_FORMAT = "paired-ratios-slow-repeated-overlap-blocks-of-16"
 
 
 def calibrate(
