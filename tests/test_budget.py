@@ -298,11 +298,15 @@ def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) 
 
 
 def calibrate_on_a_fake_clock(
-    models, monkeypatch, seconds: Callable[[int, int], float], head_start: Callable[[float], float] = None
+    models,
+    monkeypatch,
+    seconds: Callable[[int, int], float],
+    head_start: Callable[[float, int], float] = None,
+    repeats: int = 3,
 ) -> tuple[CostModel, list[int]]:
-    """`calibration.calibrate` over runners whose k-th forward of n tokens takes `seconds(n, k)` on a
-    fake clock, less `head_start(pause)` for the target's forwards after a pause (as a streamed target
-    reads ahead); also returns the sizes forwarded, in order."""
+    """`calibration.calibrate` (`repeats` rounds) over runners whose k-th forward of n tokens takes
+    `seconds(n, k)` on a fake clock, less `head_start(pause, n)` for the target's forwards after a pause (as
+    a streamed target reads ahead); also returns the sizes forwarded, in order."""
     from specexec import calibration
 
     now = [0.0]
@@ -318,7 +322,7 @@ def calibrate_on_a_fake_clock(
             seen.append(tokens.numel())
             took = seconds(tokens.numel(), len(seen))
             if head_start and self.is_target:
-                took -= head_start(now[0] - self.last_end)
+                took -= head_start(now[0] - self.last_end, tokens.numel())
             now[0] += took
             self.last_end = now[0]
 
@@ -332,7 +336,7 @@ def calibrate_on_a_fake_clock(
     monkeypatch.setattr(calibration, "clock", lambda device: now[0])
     monkeypatch.setattr(calibration, "sleep", sleep)
     target, draft, _ = models
-    return calibration.calibrate(target, draft, progress=False), seen
+    return calibration.calibrate(target, draft, repeats=repeats, progress=False), seen
 
 
 def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatch) -> None:
@@ -357,26 +361,39 @@ def test_calibration_does_not_time_sizes_that_cannot_pay(models, monkeypatch) ->
 
 def test_a_slow_target_is_timed_every_round_at_the_sizes_trees_use(models, monkeypatch) -> None:
     """Slow models (a one-token forward of SLOW_FORWARD or more, as a streamed target's): sizes up to
-    SLOW_REPEATED are timed in every round, larger ones once."""
+    SLOW_REPEATED are timed in every round, larger ones once, however many rounds."""
     from specexec import calibration
 
-    cost, seen = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.5 + 0.001 * n)
-    assert max(cost.target) == 1024  # flat: every size pays
-    timed = collections.Counter(seen[len(calibration.TARGET_SIZES) + len(calibration.DRAFT_SIZES) + 2 :])
-    for n in (3, 64):
-        assert timed[n] == 6, timed  # three rounds, target and draft
-    assert timed[128] == 2 and timed[256] == 1, timed  # once per model (the draft stops at 128)
+    for repeats in (3, 5):
+        cost, seen = calibrate_on_a_fake_clock(
+            models, monkeypatch, lambda n, k: 0.5 + 0.001 * n, repeats=repeats
+        )
+        assert max(cost.target) == 1024  # flat: every size pays
+        warm_up = len(calibration.TARGET_SIZES) + len(calibration.DRAFT_SIZES) + 2
+        timed = collections.Counter(seen[warm_up:])
+        for n in (3, 64):
+            assert timed[n] == 2 * repeats, timed  # every round, target and draft
+        assert timed[128] == 2 and timed[256] == 1, timed  # once per model (the draft stops at 128)
 
 
 def test_calibration_times_what_a_pause_before_a_target_pass_saves(models, monkeypatch) -> None:
-    """A streamed target reads ahead while the draft works, up to its window: here a pass after a pause
-    is shorter by the pause, up to 0.2 s. The calibration finds those 0.2 s (its pause is as long as a
-    pass, 0.5 s), and nothing for a target in RAM."""
+    """A streamed target reads ahead while the draft works, up to its window: here a pass of up to 16
+    tokens after a pause is shorter by the pause, up to 0.2 s; a larger one is compute-bound and gains
+    nothing. The calibration finds those 0.2 s (its pause is as long as a pass, 0.5 s), and a curve that
+    charges a step drafting at least that long what it takes: the drafting plus the pass after it.
+    Nothing for a target in RAM."""
     streamed, _ = calibrate_on_a_fake_clock(
-        models, monkeypatch, lambda n, k: 0.5 + 0.01 * n, head_start=lambda pause: min(pause, 0.2)
+        models,
+        monkeypatch,
+        lambda n, k: 0.5 + 0.01 * n,
+        head_start=lambda pause, n: min(pause, 0.2) if n <= 16 else 0.0,
     )
     assert streamed.overlap == pytest.approx(0.2)
-    assert streamed.target_seconds(1) == pytest.approx(0.51)  # the curve: pass after pass
+    assert streamed.target_seconds(1) == pytest.approx(0.51)  # pass after pass, as plain decoding runs
+    for n, drafting in ((8, 0.3), (16, 0.2), (32, 0.3), (64, 0.4)):
+        step = float(streamed.exposed(torch.tensor(drafting))) + streamed.target_seconds(n)
+        head_start = min(drafting, 0.2) if n <= 16 else 0.0
+        assert step == pytest.approx(drafting + 0.5 + 0.01 * n - head_start), n
     in_ram, _ = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.5 + 0.01 * n)
     assert in_ram.overlap == 0.0
     assert CostModel.from_json(streamed.to_json()).fingerprint() == streamed.fingerprint()

@@ -38,7 +38,7 @@ REPAY_LIMIT = 20
 SLOW_FORWARD = 0.25
 SLOW_REPEATED = 64
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
-CALIBRATION_FORMAT = "paired-ratios-slow-repeated-overlap-blocks-of-16"
+CALIBRATION_FORMAT = "paired-ratios-slow-repeated-overlap-blocks-of-16-paused"
 
 
 def calibrate(
@@ -72,6 +72,11 @@ def calibrate(
     right after another, paired, the median of `repeats` differences (at least 0). A target streamed
     from disk reads ahead during the pause (as during drafting), up to its read-ahead window; a pause
     as long as a pass leaves the reader time to fill it. A target in RAM gains nothing from a pause.
+    The target's larger sizes are timed after such a pause too, as a generation runs them (after the
+    draft's work), and the curve adds the overlap back: the policies charge drafting beyond the overlap
+    on top of it. What a pause saves shrinks as a pass turns compute-bound (the 1.5B target at --ram 0:
+    0.08-0.12 s for 1-16 tokens, 0.05 s for 17, nothing from 32), so a curve timed pass after pass,
+    less one overlap for every size, priced the large passes too low.
     """
     models = {"target": target, "draft": draft}
     runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
@@ -90,10 +95,15 @@ def calibrate(
         """(one-token seconds, n-token seconds / one-token seconds). One token is timed in steady state,
         right after another one-token forward: plain decoding and chain drafting repeat that shape, which
         llama.cpp runs faster (it reuses its compute graph: 71 against 91 ms for the 1.5B target on 2
-        cores). Other sizes are timed after a one-token forward, as trees vary."""
+        cores). Other sizes are timed after a one-token forward, as trees vary, the target's after a
+        pause as long as that forward (the draft's turn)."""
         time_forward(name, 1)
         one = time_forward(name, 1)
-        return one, (time_forward(name, n) / one if n > 1 else 1.0)
+        if n == 1:
+            return one, 1.0
+        if name == "target":
+            sleep(one)
+        return one, time_forward(name, n) / one
 
     def time_overlap() -> float:
         """How much sooner a one-token target pass ends after a pause as long as a pass."""
@@ -119,10 +129,7 @@ def calibrate(
                     if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
                         break
         slow = {name for name, ones_ in warm.items() if ones_ >= SLOW_FORWARD}
-        rounds = [
-            [job for job in jobs if r == 0 or job[0] not in slow or job[1] <= SLOW_REPEATED]
-            for r, jobs in enumerate(_rounds(sizes, repeats))
-        ]
+        rounds = _rounds(sizes, repeats, slow)
         ones: dict[str, list[float]] = {name: [] for name in models}
         ratios: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
         with tqdm(
@@ -135,20 +142,27 @@ def calibrate(
                     ratios[name][n].append(ratio)
                     bar.update()
         overlap = statistics.median(time_overlap() for _ in range(repeats))
+    overlap = max(0.0, overlap)
     target_curve, draft_curve = (
         {n: statistics.median(ones[name]) * statistics.median(r) for n, r in ratios[name].items()}
         for name in models
     )
-    return CostModel(target_curve, draft_curve, label, max(0.0, overlap))
+    target_curve = {n: seconds + (overlap if n > 1 else 0.0) for n, seconds in target_curve.items()}
+    return CostModel(target_curve, draft_curve, label, overlap)
 
 
-def _rounds(sizes: dict[str, list[int]], repeats: int) -> list[list[tuple[str, int]]]:
+def _rounds(sizes: dict[str, list[int]], repeats: int, slow: set[str]) -> list[list[tuple[str, int]]]:
     """The (model, size) samples of each round: every size once per round, `repeats` rounds (2 from 256
-    tokens up, where a run is long and steady: those take the middle rounds)."""
-    runs = {n: repeats if n < 256 else min(repeats, 2) for n in TARGET_SIZES + DRAFT_SIZES}
-    first = {n: (repeats - runs[n]) // 2 for n in runs}
-    jobs = [(name, n) for name in sizes for n in sizes[name]]
-    return [[(name, n) for name, n in jobs if first[n] <= r < first[n] + runs[n]] for r in range(repeats)]
+    tokens up, where a run is long and steady: those take the middle rounds); a `slow` model's sizes above
+    SLOW_REPEATED take only the first of their rounds."""
+    rounds: list[list[tuple[str, int]]] = [[] for _ in range(repeats)]
+    for name in sizes:
+        for n in sizes[name]:
+            first = (repeats - min(repeats, 2)) // 2 if n >= 256 else 0
+            runs = 1 if name in slow and n > SLOW_REPEATED else repeats if n < 256 else min(repeats, 2)
+            for r in range(first, first + runs):
+                rounds[r].append((name, n))
+    return rounds
 
 
 def cached_cost_model(target, draft, recalibrate: bool = False) -> CostModel:
