@@ -37,8 +37,12 @@ REPAY_LIMIT = 20
 # 0.47 s for 1 token, 0.59 s for 2 and 0.38 s for 3, and the auto budget verified trees of 1-3 nodes).
 SLOW_FORWARD = 0.25
 SLOW_REPEATED = 64
+# The overlap is a difference of two streamed passes that vary by 20% each: four calibrations of the
+# 1.5B target at --ram 0 on one machine (Zen 4) found 0.082, 0.090, 0.112 and 0.118 s from 3 pairs each,
+# and every size's cost includes it. Pairs are cheap beside the sizes: this many per round of sizes.
+OVERLAP_SAMPLES = 3
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
-CALIBRATION_FORMAT = "paired-ratios-slow-repeated-overlap-blocks-of-16-paused"
+CALIBRATION_FORMAT = "paired-ratios-slow-repeated-blocks-of-16-paused-overlap-3x"
 
 
 def calibrate(
@@ -69,7 +73,7 @@ def calibrate(
     round).
 
     The target's `overlap` is timed last: a one-token pass after a pause as long as itself, against one
-    right after another, paired, the median of `repeats` differences (at least 0). A target streamed
+    right after another, paired, the median of 3 x `repeats` differences (at least 0). A target streamed
     from disk reads ahead during the pause (as during drafting), up to its read-ahead window; a pause
     as long as a pass leaves the reader time to fill it. A target in RAM gains nothing from a pause.
     The target's larger sizes are timed after such a pause too, as a generation runs them (after the
@@ -141,7 +145,7 @@ def calibrate(
                     ones[name].append(one)
                     ratios[name][n].append(ratio)
                     bar.update()
-        overlap = statistics.median(time_overlap() for _ in range(repeats))
+        overlap = statistics.median(time_overlap() for _ in range(OVERLAP_SAMPLES * repeats))
     overlap = max(0.0, overlap)
     target_curve, draft_curve = (
         {n: statistics.median(ones[name]) * statistics.median(r) for n, r in ratios[name].items()}
