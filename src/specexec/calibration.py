@@ -73,14 +73,14 @@ def calibrate(
     round).
 
     The target's `overlap` is timed last: a one-token pass after a pause as long as itself, against one
-    right after another, paired, the median of 3 x `repeats` differences (at least 0). A target streamed
-    from disk reads ahead during the pause (as during drafting), up to its read-ahead window; a pause
-    as long as a pass leaves the reader time to fill it. A target in RAM gains nothing from a pause.
-    The target's larger sizes are timed after such a pause too, as a generation runs them (after the
-    draft's work), and the curve adds the overlap back: the policies charge drafting beyond the overlap
-    on top of it. What a pause saves shrinks as a pass turns compute-bound (the 1.5B target at --ram 0:
-    0.08-0.12 s for 1-16 tokens, 0.05 s for 17, nothing from 32), so a curve timed pass after pass,
-    less one overlap for every size, priced the large passes too low.
+    right after another, paired, the median of OVERLAP_SAMPLES x `repeats` differences (at least 0). A
+    target streamed from disk reads ahead during the pause (as during drafting), up to its read-ahead
+    window; a pause as long as a pass leaves the reader time to fill it. A target in RAM gains nothing
+    from a pause. The target's larger sizes are timed after such a pause too, as a generation runs them
+    (after the draft's work), and the curve adds the overlap back: the policies charge drafting beyond
+    the overlap on top of it. What a pause saves shrinks as a pass turns compute-bound (the 1.5B target
+    at --ram 0: 0.08-0.12 s for 1-16 tokens, 0.05 s for 17, nothing from 32), so a curve timed pass
+    after pass, less one overlap for every size, priced the large passes too low.
     """
     models = {"target": target, "draft": draft}
     runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
