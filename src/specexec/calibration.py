@@ -147,11 +147,15 @@ def calibrate(
                     bar.update()
         overlap = statistics.median(time_overlap() for _ in range(OVERLAP_SAMPLES * repeats))
     overlap = max(0.0, overlap)
+    # The target's sizes above one token were timed after a pause: add back what the pause took off.
+    added = {"target": overlap, "draft": 0.0}
     target_curve, draft_curve = (
-        {n: statistics.median(ones[name]) * statistics.median(r) for n, r in ratios[name].items()}
+        {
+            n: statistics.median(ones[name]) * statistics.median(r) + (added[name] if n > 1 else 0.0)
+            for n, r in ratios[name].items()
+        }
         for name in models
     )
-    target_curve = {n: seconds + (overlap if n > 1 else 0.0) for n, seconds in target_curve.items()}
     return CostModel(target_curve, draft_curve, label, overlap)
 
 
@@ -162,8 +166,10 @@ def _rounds(sizes: dict[str, list[int]], repeats: int, slow: set[str]) -> list[l
     rounds: list[list[tuple[str, int]]] = [[] for _ in range(repeats)]
     for name in sizes:
         for n in sizes[name]:
-            first = (repeats - min(repeats, 2)) // 2 if n >= 256 else 0
-            runs = 1 if name in slow and n > SLOW_REPEATED else repeats if n < 256 else min(repeats, 2)
+            runs = repeats if n < 256 else min(repeats, 2)
+            first = (repeats - runs) // 2
+            if name in slow and n > SLOW_REPEATED:
+                runs = 1
             for r in range(first, first + runs):
                 rounds[r].append((name, n))
     return rounds
