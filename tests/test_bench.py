@@ -527,7 +527,7 @@ def test_draft_vocabularies_compared_in_one_run(model_dirs, prompt_file: Path, t
 
 
 def test_draft_vocab_auto_is_a_smaller_head_for_llamacpp_drafts_only() -> None:
-    from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB
+    from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB
     from specexec.loading import draft_vocab
 
     assert draft_vocab("auto", "llamacpp", 151_936) == DEFAULT_DRAFT_VOCAB

@@ -501,10 +501,10 @@ def test_a_reduced_head_scores_its_rows_as_the_full_head_does(reduced, arch: str
 
 
 def test_a_reduced_head_is_written_once(reduced, monkeypatch) -> None:
-    from specexec.backends.llamacpp import head
+    from specexec.backends.llamacpp import draft_gguf
 
     first = reduced("llama", "f32")[1]
-    monkeypatch.setattr(head, "write_reduced_head_gguf", mock.Mock(side_effect=AssertionError))
+    monkeypatch.setattr(draft_gguf, "write_reduced_head_gguf", mock.Mock(side_effect=AssertionError))
     again = reduced("llama", "f32")[1]
     assert torch.equal(again.head, first.head)
 
@@ -523,7 +523,7 @@ def test_a_head_that_cannot_be_cut_is_a_clear_error(tmp_path: Path, monkeypatch)
     writer.close()
     with pytest.raises(LlamaCppError, match="cannot write no-embedding.gguf with a smaller head"):
         LlamaCppModel(path, threads=1, vocab=4)
-    assert not list((tmp_path / "cache" / "draft-heads").iterdir())  # nothing half-written
+    assert not list((tmp_path / "cache" / "drafts").iterdir())  # nothing half-written
 
 
 @pytest.mark.parametrize("kind", ["target", "perturbed"])
@@ -536,6 +536,69 @@ def test_every_method_is_exact_with_a_reduced_head_draft(model, reduced, kind: s
         out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args, **cost)
         assert out.tokens == reference, args
         assert out.stats.tokens_per_step > 1.2, args  # the draft was used
+
+
+# -- a draft requantized by llama.cpp (--draft-quant q4_0) -------------------------------------------------
+
+
+def _types(gguf: Path) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(gguf).tensors}
+
+
+def test_a_requantized_draft_runs_q4_0_weights_and_leaves_its_gguf_alone(
+    model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from specexec.backends.llamacpp import draft_gguf
+
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+    source = model("qwen2", "f32", "perturbed").gguf
+    before = hashlib.sha256(source.read_bytes()).hexdigest()
+    draft = LlamaCppModel(source, threads=1, quant="q4_0")
+    assert "Q4_0" in draft.weights and draft.quantization == "q4_0" and draft.head is None
+    assert draft.cost_key() != model("qwen2", "f32", "perturbed").cost_key()  # its own calibration
+    (folder,) = (tmp_path / "cache" / "drafts").iterdir()
+    types = _types(folder / "model.gguf")
+    matrices = {name: kind for name, kind in types.items() if name.endswith(".weight") and "norm" not in name}
+    assert set(matrices.values()) - {"Q8_0"} == {"Q4_0"}, matrices  # the output layer may stay Q8_0
+    assert hashlib.sha256(source.read_bytes()).hexdigest() == before
+    monkeypatch.setattr(draft_gguf, "write_requantized_gguf", mock.Mock(side_effect=AssertionError))
+    assert LlamaCppModel(source, threads=1, quant="q4_0").weights == draft.weights  # written once
+
+
+@pytest.mark.parametrize("vocab", [0, 40])
+def test_every_method_is_exact_with_a_requantized_draft(
+    model, gguf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vocab: int
+) -> None:
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+    target = model("qwen2", "q8_0")
+    draft = LlamaCppModel(
+        model("qwen2", "q8_0", "perturbed").gguf, threads=1, vocab=vocab, always=[100], quant="q4_0"
+    )
+    assert "Q4_0" in draft.weights and (draft.head is not None) == bool(vocab)
+    reference = ar_reference(target)
+    for args in METHODS:
+        cost = {"cost_model": FLAT} if args["budget"] == "auto" else {}
+        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args, **cost)
+        assert out.tokens == reference, args
+        assert out.stats.tokens_per_step > 1.2, args  # the draft was used
+
+
+def test_a_draft_copy_that_cannot_be_written_is_a_one_line_error(
+    model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+    source = model("llama", "f32").gguf
+    with pytest.raises(LlamaCppError, match="^--ram streams a target's own GGUF, not a draft's copy"):
+        LlamaCppModel(source, threads=1, quant="q4_0", ram=0)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(source.read_bytes()[: source.stat().st_size // 2])  # cut short
+    with pytest.raises(LlamaCppError, match="^llama.cpp cannot requantize broken.gguf to Q4_0$"):
+        LlamaCppModel(broken, threads=1, quant="q4_0")
+    assert not list((tmp_path / "cache" / "drafts").iterdir())  # nothing half-written
 
 
 def test_a_torch_draft_can_serve_a_llamacpp_target(model) -> None:
@@ -709,11 +772,15 @@ def test_bench_command_runs_on_llamacpp_and_reports_its_weights(tokenized_gguf: 
     models = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--backend", "llamacpp"]
     run = ["--prompts", str(prompts), "--max-new-tokens", "6", "--warmup-tokens", "2", "--threads", "1"]
     methods = ["--methods", "ar,specexec", "--budgets", "4", "--no-progress", "--out", str(out)]
-    assert main(["bench", *models, *run, *methods]) == 0
+    assert main(["bench", *models, *run, *methods, "--draft-quant", "q8_0"]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert [row["label"] for row in rows] == ["ar", "specexec@4"]
     assert {row["machine"]["dtype"] for row in rows} == {LlamaCppModel(tokenized_gguf, threads=1).weights}
     assert "qwen2" in rows[0]["machine"]["dtype"] and all(row["identical_to_ar"] for row in rows)
+    # The draft ran requantized to Q8_0, and the report says so.
+    assert {row["machine"]["draft_quant"] for row in rows} == {"q8_0"}
+    assert "Q8_0" in rows[0]["machine"]["draft_weights"]
+    assert f"(draft {rows[0]['machine']['draft_weights']})" in (out / "results.md").read_text()
 
 
 def test_llamacpp_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
@@ -722,11 +789,14 @@ def test_llamacpp_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
     target = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf)]
     assert main(["generate", *target, "--backend", "llamacpp", "--dtype", "float32", "ab a"]) == 1
     assert main(["generate", *target, "--method", "specexec", "--budget", "400", "ab a"]) == 1
+    assert main(["generate", *target, "--backend", "torch", "--draft-quant", "q4_0", "ab a"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [
         "specexec: error: --dtype float32 is for the torch backend; llama.cpp runs the GGUF's own weights",
         "specexec: error: budget 400 could make trees of more than the 255 leaves llama.cpp verifies in one "
         "pass; use a budget of at most 255",
+        "specexec: error: --draft-quant q4_0 is for the llama.cpp backend (a GGUF draft requantized by "
+        "llama.cpp)",
     ]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specexec.models
-from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB as LLAMACPP_DRAFT_VOCAB
+from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB as LLAMACPP_DRAFT_VOCAB
 from specexec.cli_args import OneLineParser, add_model_args, non_negative_int, pair_spec, positive_int
 from specexec.loading import (
     LoadedPair,
@@ -73,6 +73,23 @@ def test_draft_backend_follows_its_own_options_before_the_pairs(chosen) -> None:
         ("auto", "d.gguf", []),  # offloading is the target's alone
         ("auto", "d.gguf", ["--dtype bfloat16", "--quant int4"]),
     ]
+
+
+def test_a_gguf_quant_is_given_to_the_backend_choice_in_the_users_words(chosen) -> None:
+    draft_backend(PairSpec("t", "d.gguf", draft_quant="q4_0"))
+    assert chosen == [("auto", "d.gguf", ["--draft-quant q4_0"])]
+
+
+def test_a_draft_runs_its_own_quantization_else_the_targets(loaded) -> None:
+    for spec, quant in [
+        (PairSpec("t", "d.gguf"), "none"),
+        (PairSpec("t", "d.gguf", draft_quant="q4_0"), "q4_0"),
+        (PairSpec("t", "d", quant="int8"), "int8"),
+        (PairSpec("t", "d", quant="int8", draft_quant="int4"), "int4"),
+    ]:
+        loaded.clear()
+        load_pair(spec)
+        assert loaded[0]["quant"] == quant, spec  # the draft loads first
 
 
 def test_backend_label() -> None:

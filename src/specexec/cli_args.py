@@ -95,8 +95,8 @@ def _add_source_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_args(parser: argparse.ArgumentParser, lists: bool) -> None:
-    from specexec.backends.base import QUANT_MODES
-    from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB
+    from specexec.backends.base import GGUF_QUANTS, QUANT_MODES
+    from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB
 
     quant_help = (
         "CPU quantization of target and draft: int8 per channel or int4 per group of 64 (weight-only, "
@@ -113,7 +113,12 @@ def _add_quant_args(parser: argparse.ArgumentParser, lists: bool) -> None:
     else:
         parser.add_argument("--quant", choices=QUANT_MODES, default="none", help=quant_help)
     parser.add_argument(
-        "--draft-quant", choices=QUANT_MODES, default=None, help="the draft's quantization (default: --quant)"
+        "--draft-quant",
+        choices=QUANT_MODES + GGUF_QUANTS,
+        default=None,
+        help="the draft's quantization (default: --quant); on the llama.cpp backend q8_0 or q4_0 run a "
+        "copy of the draft's GGUF requantized by llama.cpp (written once; the output is unchanged, the "
+        "draft's acceptance may fall)",
     )
     vocab_help = (
         "the draft scores only the first N token ids and the special tokens: a cheaper draft pass; 0 = "

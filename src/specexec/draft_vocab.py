@@ -12,8 +12,8 @@ wants a rare token, never correctness, since every method verifies with the targ
 (the rejection rules take the draft's probabilities as they are, zeros included).
 
 Each backend applies the restriction its own way (`specexec.backends.torch.draft_vocab`: a smaller
-`nn.Linear`; `specexec.backends.llamacpp.head`: a GGUF copy whose output layer holds only the kept rows);
-what ids are kept, and how their logits are spread back over the whole vocabulary, is decided here.
+`nn.Linear`; `specexec.backends.llamacpp.draft_gguf`: a GGUF copy whose output layer holds only the kept
+rows); what ids are kept, and how their logits are spread back over the whole vocabulary, is decided here.
 """
 
 from __future__ import annotations

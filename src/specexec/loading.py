@@ -140,11 +140,15 @@ def target_backend(spec: PairSpec) -> str:
 
 def draft_backend(spec: PairSpec) -> str:
     """The backend the draft runs on, at its own quantization level (`draft_quant`, else `quant`)."""
+    from specexec.backends.base import GGUF_QUANTS
     from specexec.models import choose_backend
 
-    draft_quant = spec.draft_quant or spec.quant
+    quant = spec.draft_quant or spec.quant
     given = [("dtype", f"--dtype {spec.dtype}")] if spec.dtype else []
-    given += [("quant", f"--quant {draft_quant}")] if draft_quant != "none" else []
+    if quant in GGUF_QUANTS:
+        given += [("gguf_quant", f"--draft-quant {quant}")]
+    elif quant != "none":
+        given += [("quant", f"--quant {quant}")]
     return choose_backend(spec.draft_backend or spec.backend, spec.draft, given)
 
 

@@ -2,8 +2,8 @@
 generation's KV cache on it). Each runtime is a subpackage exposing:
 
 - `LABEL`: its name in messages; `WEIGHTS`: "gguf" (loads a GGUF file) or "folder" (a Hugging Face folder);
-- `OPTIONS`: the load options it takes ("dtype", "offload", "quant", "threads", "vocab", "ram":
-  `LoadOptions`);
+- `OPTIONS`: the load options it takes ("dtype", "offload", "quant", "threads", "vocab", "ram",
+  "gguf_quant": `LoadOptions`, whose `quant` is "gguf_quant" for a value of `base.GGUF_QUANTS`);
 - `unavailable() -> str | None`: why it cannot run here (its library is not installed), if it cannot;
 - `refusal(given: list[tuple[str, str]]) -> str | None`: why it cannot load with the options `given`
   (each an option key, e.g. "quant", and the option in the user's words), if it cannot;

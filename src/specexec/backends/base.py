@@ -100,8 +100,8 @@ class Model(Protocol):
 
     @property
     def quantization(self) -> str:
-        """The low-bit form its weights were converted to at load (one of QUANT_MODES; "none" where it
-        runs them as stored)."""
+        """The low-bit form its weights were converted to at load (one of QUANT_MODES or GGUF_QUANTS; "none"
+        where it runs them as stored)."""
 
     @property
     def cost_label(self) -> str:
@@ -204,8 +204,10 @@ def prefill(runner: Runner, tokens: torch.Tensor, cancelled: Callable[[], bool] 
 
 
 # What `LoadOptions.quant` may ask: weights as stored, or converted at load to a low-bit form for the CPU
-# kernels (the torch backend has them all; llama.cpp runs the GGUF's own types).
+# kernels (the torch backend has them all; llama.cpp runs the GGUF's own types), or for a GGUF draft on
+# llama.cpp a copy requantized by llama.cpp's own quantizer (`backends.llamacpp.draft_gguf`).
 QUANT_MODES = ("none", "int8", "int4", "w4a8")
+GGUF_QUANTS = ("q8_0", "q4_0")
 
 
 class BackendError(ValueError):
@@ -219,7 +221,7 @@ class LoadOptions:
 
     dtype: torch.dtype | None = None  # in-memory dtype (torch)
     offload: dict | None = None  # streaming decoder layers to a GPU (torch): `offload_model` arguments
-    quant: str = "none"  # low-bit CPU weights, one of QUANT_MODES (torch)
+    quant: str = "none"  # low-bit CPU weights: one of QUANT_MODES (torch) or GGUF_QUANTS (llama.cpp)
     vocab: int = 0  # > 0: a draft that scores only its first `vocab` token ids (`specexec.draft_vocab`)
     always: tuple[int, ...] = ()  # ids a reduced head keeps whatever `vocab` (the special tokens)
     threads: int | None = None  # compute threads (llama.cpp; torch uses torch's setting)

@@ -264,7 +264,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         draft=args.draft if need_draft else None,
         prompt_set=args.prompts,
         seed=args.seed,
-        draft_quant=args.draft_quant,
+        draft_quant=as_model(main_pair.draft).quantization if main_pair.draft is not None else None,
+        draft_weights=as_model(main_pair.draft).weights if main_pair.draft is not None else None,
         backend=last.backend_label,
     )
     paths = write_outputs(args.out, result, machine)

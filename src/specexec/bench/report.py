@@ -215,6 +215,7 @@ def machine_info(
     seed: int | None = None,
     simulated_offload: str | None = None,
     draft_quant: str | None = None,
+    draft_weights: str | None = None,
     backend: str | None = None,
     memory: WeightsMemory | None = None,
 ) -> dict:
@@ -247,6 +248,7 @@ def machine_info(
         "prompt_set": prompt_set,
         "simulated_offload": simulated_offload,
         "draft_quant": draft_quant,
+        "draft_weights": draft_weights,
         "seed": seed,
         # --ram: the target's weights in RAM and streamed per pass, the disk's speed (measured at load)
         "weights_memory": dataclasses.asdict(memory) if memory is not None else None,
@@ -296,6 +298,11 @@ def write_outputs(
     return paths
 
 
+def _draft_weights(machine: dict) -> str:
+    weights = machine.get("draft_weights")
+    return f" (draft {weights})" if weights else ""
+
+
 def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
     first = rows[0] if rows else {}
     m = machine.get
@@ -309,7 +316,8 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "",
         f"Target `{m('target')}`, draft `{m('draft')}`, prompts `{m('prompt_set')}` "
         f"({_plural(first.get('prompts', 0), 'prompt')}), max_new_tokens {first.get('max_new_tokens')}, "
-        f"{sampling}, seed {m('seed')}, weights {m('dtype')}, {_plural(first.get('repeats', 1), 'repeat')}.",
+        f"{sampling}, seed {m('seed')}, weights {m('dtype')}{_draft_weights(machine)}, "
+        f"{_plural(first.get('repeats', 1), 'repeat')}.",
         "",
         "| config | tok/call | tok/call (mean per prompt) | decode tok/s | tok/s incl. prefill "
         "| speedup vs ar | paired vs ar | faster repeat: tok/s (vs ar) | draft / target / overhead "

@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from specexec.backends.base import LoadOptions
-from specexec.backends.llamacpp.head import DEFAULT_DRAFT_VOCAB
+from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB
 from specexec.backends.llamacpp.library import INSTALL_HINT, LlamaCppError
 from specexec.backends.llamacpp.model import LlamaCppModel
 
@@ -22,7 +22,8 @@ def unavailable() -> str | None:
     return None
 
 
-OPTIONS = ("threads", "vocab", "ram")  # the load options it takes: it runs the GGUF's own weights
+# The load options it takes: it runs the GGUF's own weights, or for a draft a copy of its own (`gguf_quant`)
+OPTIONS = ("threads", "vocab", "ram", "gguf_quant")
 
 
 def refusal(given: list[tuple[str, str]]) -> str | None:
@@ -35,7 +36,9 @@ def refusal(given: list[tuple[str, str]]) -> str | None:
 
 
 def load(path: Path, options: LoadOptions) -> LlamaCppModel:
-    return LlamaCppModel(path, options.threads, options.vocab, always=options.always, ram=options.ram)
+    return LlamaCppModel(
+        path, options.threads, options.vocab, always=options.always, ram=options.ram, quant=options.quant
+    )
 
 
 def default_draft_vocab(vocab_size: int) -> int:

@@ -35,7 +35,7 @@ import torch
 
 from specexec.backends.base import WeightsMemory
 from specexec.backends.llamacpp import stream
-from specexec.backends.llamacpp.head import reduced_head
+from specexec.backends.llamacpp.draft_gguf import derived_draft
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ class LlamaCppModel:
     `vocab` > 0 makes a draft score only its first `vocab` token ids and the ids in `always`
     (`specexec.draft_vocab`): llama.cpp runs a copy of the GGUF whose output layer has those rows only
     (written once under the cache root), takes every input as an embedding looked up here from the full
-    table, and the logits of the other ids are -inf.
+    table, and the logits of the other ids are -inf. `quant` "q4_0" runs a copy whose weights llama.cpp
+    requantized to Q4_0 (`specexec.backends.llamacpp.draft_gguf`); "none" the GGUF's own weights.
 
     A runner's context outlives it as a spare (`give_context`): the next runner of the same shape takes
     it instead of making one, which costs 45 ms (one sequence) to 190 ms (256 sequences) for the 1.5B
@@ -67,7 +68,6 @@ class LlamaCppModel:
 
     runtime = "llama.cpp"
     cost_label = ""
-    quantization = "none"  # the GGUF's own weights, whatever their types
     device = CPU
     max_tree_leaves = MAX_SEQUENCES - 1  # every leaf of a verified tree is a sequence of its own
 
@@ -78,23 +78,30 @@ class LlamaCppModel:
         vocab: int = 0,
         always: Iterable[int] = (),
         ram: int | None = None,
+        quant: str = "none",
     ) -> None:
         self._llama_cpp = llama_cpp = llama_cpp_library()
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
         self.threads = threads or torch.get_num_threads()
+        self.quantization = quant  # "none": the GGUF's own weights, whatever their types
         loaded = self.gguf
         self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
+        if ram is not None and (vocab or quant != "none"):
+            raise LlamaCppError(
+                "--ram streams a target's own GGUF, not a draft's copy (--draft-vocab, --draft-quant)"
+            )
+        if vocab or quant != "none":
+            folder = derived_draft(self.gguf, vocab, always, quant, self.threads)
+            loaded = folder / "model.gguf"
         if vocab:
-            folder = reduced_head(self.gguf, vocab, always)
             head = json.loads((folder / "head.json").read_text())
             self.head = torch.tensor(head["kept"])
             self._embedding = np.load(folder / "embedding.npy", mmap_mode="r")  # (V, row bytes or n_embd)
             self._embedding_type = head["embedding_type"]
-            loaded = folder / "model.gguf"
         params = llama_cpp.llama_model_default_params()
-        plan = stream.plan(self.gguf, ram) if ram is not None and self.head is None else None
+        plan = stream.plan(self.gguf, ram) if ram is not None else None
         if plan is not None and plan.streamed:
             # Weights read straight from llama.cpp's mapping: not repacked into anonymous memory.
             params.use_extra_bufts = False

@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 LABEL = "torch"
 WEIGHTS = "folder"
 OPTIONS = ("dtype", "offload", "quant", "threads", "vocab")  # the load options it takes
+# What the llama.cpp backend's own options are for, in its refusals.
+_LLAMACPP_OPTIONS = {
+    "ram": "a GGUF target streamed from disk",
+    "gguf_quant": "a GGUF draft requantized by llama.cpp",
+}
 
 
 def unavailable() -> str | None:
@@ -25,7 +30,7 @@ def refusal(given: list[tuple[str, str]]) -> str | None:
     words)."""
     for key, words in given:
         if key not in OPTIONS:
-            return f"{words} is for the llama.cpp backend (a GGUF target streamed from disk)"
+            return f"{words} is for the llama.cpp backend ({_LLAMACPP_OPTIONS[key]})"
     return None
 
 
