@@ -538,7 +538,7 @@ def test_every_method_is_exact_with_a_reduced_head_draft(model, reduced, kind: s
         assert out.stats.tokens_per_step > 1.2, args  # the draft was used
 
 
-# -- a draft requantized by llama.cpp (--draft-quant q4_0) -------------------------------------------------
+# -- a draft requantized by llama.cpp (--draft-quant q8_0|q4_0) --------------------------------------------
 
 
 def _types(gguf: Path) -> dict[str, str]:
@@ -571,7 +571,7 @@ def test_a_requantized_draft_runs_q4_0_weights_and_leaves_its_gguf_alone(
 
 @pytest.mark.parametrize("vocab", [0, 40])
 def test_every_method_is_exact_with_a_requantized_draft(
-    model, gguf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vocab: int
+    model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vocab: int
 ) -> None:
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
     target = model("qwen2", "q8_0")

@@ -105,16 +105,17 @@ def load_model(
 
     ``backend`` is one of `specexec.backends.BACKENDS`, or "auto" (the first that can, `choose_backend`):
     llama.cpp's runs a GGUF source as it is, on ``threads`` threads, and refuses the torch backend's
-    options (``dtype``, ``offload``, ``quant`` but "q4_0").
+    options (``dtype``, ``offload``, ``quant`` but "q8_0" and "q4_0").
 
     ``source`` is a local Hugging Face model folder (safetensors only), a ``.gguf`` file, or one of
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. On the torch backend, GGUF sources are converted once into a
     bf16 cache folder; ``dtype`` is only the in-memory dtype (default bfloat16). ``offload`` (keyword
     arguments of `specexec.backends.torch.offload.offload_model`) streams the decoder layers from host
     memory to the GPU. ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form
-    for the CPU kernels; on llama.cpp, "q4_0" runs a copy of the GGUF that llama.cpp requantized (meant for
-    drafts: `specexec.backends.llamacpp.draft_gguf`). ``simulate_offload_gbps`` charges every forward the
-    time to stream its weights at that speed (a stand-in for a GPU: every timing is then simulated).
+    for the CPU kernels; on llama.cpp, "q8_0" or "q4_0" runs a copy of the GGUF that llama.cpp requantized
+    (meant for drafts: `specexec.backends.llamacpp.draft_gguf`). ``simulate_offload_gbps`` charges every
+    forward the time to stream its weights at that speed (a stand-in for a GPU: every timing is then
+    simulated).
     ``ram`` (bytes, llama.cpp) caps the RAM the weights use, the rest read from disk on every pass (0: as
     little as it can). ``vocab`` > 0 makes a draft score only its first ``vocab`` token ids, plus its
     special tokens (`specexec.draft_vocab`).

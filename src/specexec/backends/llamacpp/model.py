@@ -54,8 +54,8 @@ class LlamaCppModel:
     `vocab` > 0 makes a draft score only its first `vocab` token ids and the ids in `always`
     (`specexec.draft_vocab`): llama.cpp runs a copy of the GGUF whose output layer has those rows only
     (written once under the cache root), takes every input as an embedding looked up here from the full
-    table, and the logits of the other ids are -inf. `quant` "q4_0" runs a copy whose weights llama.cpp
-    requantized to Q4_0 (`specexec.backends.llamacpp.draft_gguf`); "none" the GGUF's own weights.
+    table, and the logits of the other ids are -inf. `quant` "q8_0" or "q4_0" runs a copy whose weights
+    llama.cpp requantized to that type (`specexec.backends.llamacpp.draft_gguf`); "none" the GGUF's own.
 
     A runner's context outlives it as a spare (`give_context`): the next runner of the same shape takes
     it instead of making one, which costs 45 ms (one sequence) to 190 ms (256 sequences) for the 1.5B
