@@ -140,15 +140,14 @@ def target_backend(spec: PairSpec) -> str:
 
 def draft_backend(spec: PairSpec) -> str:
     """The backend the draft runs on, at its own quantization level (`draft_quant`, else `quant`)."""
-    from specexec.backends.base import GGUF_QUANTS
+    from specexec.backends.base import quant_option
     from specexec.models import choose_backend
 
     quant = spec.draft_quant or spec.quant
+    key = quant_option(quant)
+    flag = "--draft-quant" if key == "gguf_quant" else "--quant"  # the GGUF ones are a draft's alone
     given = [("dtype", f"--dtype {spec.dtype}")] if spec.dtype else []
-    if quant in GGUF_QUANTS:
-        given += [("gguf_quant", f"--draft-quant {quant}")]
-    elif quant != "none":
-        given += [("quant", f"--quant {quant}")]
+    given += [(key, f"{flag} {quant}")] if quant != "none" else []
     return choose_backend(spec.draft_backend or spec.backend, spec.draft, given)
 
 

@@ -32,7 +32,7 @@ from transformers import (  # noqa: E402
 
 from specexec import backends  # noqa: E402
 from specexec.backends import as_model  # noqa: E402
-from specexec.backends.base import GGUF_QUANTS, LoadOptions  # noqa: E402
+from specexec.backends.base import LoadOptions, quant_option  # noqa: E402
 from specexec.draft_vocab import check_draft_vocab  # noqa: E402
 from specexec.paths import cache_root  # noqa: E402
 
@@ -125,7 +125,7 @@ def load_model(
         for key, words, present in (
             ("dtype", f"dtype {dtype}", dtype is not None),
             ("offload", "offloading", offload is not None),
-            ("gguf_quant" if quant in GGUF_QUANTS else "quant", f"--quant {quant}", quant != "none"),
+            (quant_option(quant), f"--quant {quant}", quant != "none"),
             ("offload", "simulated offloading", simulate_offload_gbps is not None),
             ("ram", "--ram", ram is not None),
         )

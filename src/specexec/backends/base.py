@@ -210,6 +210,11 @@ QUANT_MODES = ("none", "int8", "int4", "w4a8")
 GGUF_QUANTS = ("q8_0", "q4_0")
 
 
+def quant_option(quant: str) -> str:
+    """The load option a quantization asks for, as backends' `refusal` reads it."""
+    return "gguf_quant" if quant in GGUF_QUANTS else "quant"
+
+
 class BackendError(ValueError):
     """A runtime cannot do what was asked (an option it lacks, a model it cannot run, missing hardware);
     the message says why in one line."""

@@ -255,6 +255,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         llamacpp_spec=llamacpp_spec,
     )
     last = list(pairs.values())[-1]  # several levels: the report names the last one's backends
+    draft = as_model(main_pair.draft) if main_pair.draft is not None else None
     machine = machine_info(
         dtype=as_model(main_pair.target).weights,
         memory=as_model(main_pair.target).memory(),
@@ -264,8 +265,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         draft=args.draft if need_draft else None,
         prompt_set=args.prompts,
         seed=args.seed,
-        draft_quant=as_model(main_pair.draft).quantization if main_pair.draft is not None else None,
-        draft_weights=as_model(main_pair.draft).weights if main_pair.draft is not None else None,
+        draft_quant=draft.quantization if draft is not None else None,
+        draft_weights=draft.weights if draft is not None else None,
         backend=last.backend_label,
     )
     paths = write_outputs(args.out, result, machine)

@@ -118,16 +118,15 @@ def derived_draft(gguf: Path, vocab: int, always: Iterable[int], quant: str, thr
     try:
         source = gguf
         if vocab:
-            write_reduced_head_gguf(gguf, vocab, always, partial)
+            try:
+                write_reduced_head_gguf(gguf, vocab, always, partial)
+            except (KeyError, ValueError) as err:  # not a layout the copy knows (no token embedding, ...)
+                raise LlamaCppError(f"cannot write {gguf.name} with a smaller head: {err!r}") from None
             source = partial / "model.gguf"
         if quant != "none":
             write_requantized_gguf(source, quant, partial / "requantized.gguf", threads)
             os.replace(partial / "requantized.gguf", partial / "model.gguf")
         os.replace(partial, folder)
-    except LlamaCppError:
-        raise
-    except (KeyError, ValueError) as err:  # not a layout the copy knows (no token embedding, ...)
-        raise LlamaCppError(f"cannot write {gguf.name} with a smaller head: {err!r}") from None
     except OSError:
         if not folder.is_dir():
             raise
