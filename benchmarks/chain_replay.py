@@ -85,6 +85,7 @@ class Dsl:
 
     def __init__(self, cost: CostModel, confidence_rule: bool = True) -> None:
         stop = ConfidenceStop() if confidence_rule else None
+        self.cost = cost
         self.chain = ChainDrafter(DSL_MAX_LENGTH, stop=stop, cost_stop=ChainCostStop(cost, DSL_MAX_LENGTH))
 
     def __call__(self, confidences: list[float]) -> int:
@@ -95,7 +96,10 @@ class Dsl:
     def observe(self, confidences: list[float], accepted: int) -> None:
         # A replayed chain: its first draft pass took in the root alone, as in steady drafting.
         draft = Draft(DraftTree(0, 1, torch.device("cpu")), confidences=confidences, first_pass_tokens=1)
-        self.chain.observe(draft, list(range(1, accepted + 1)))
+        # Replayed in modelled time: the target pass took what the cost model says (`play`).
+        self.chain.observe(
+            draft, list(range(1, accepted + 1)), self.cost.target_seconds(len(confidences) + 1)
+        )
 
 
 class Threshold:

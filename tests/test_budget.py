@@ -113,8 +113,8 @@ def test_adapted_threshold_applies_within_the_same_generation(models) -> None:
     for _ in range(4):
         runner.keep(torch.arange(len(prompt) - 1))
         draft_ = drafter.propose(request)
-        drafter.observe(draft_, [])  # every first token rejected
-        drafter.observe(draft_, list(range(1, len(draft_.confidences) + 1)))
+        drafter.observe(draft_, [], 0.1)  # every first token rejected
+        drafter.observe(draft_, list(range(1, len(draft_.confidences) + 1)), 0.1)
     assert stop.threshold != 0.4
 
 
@@ -279,6 +279,68 @@ def test_auto_budget_generation_is_exact_and_follows_the_regime(models, referenc
         assert out.tokens == reference
         sizes[name] = sum(out.stats.tree_sizes) / len(out.stats.tree_sizes)
     assert sizes["flat"] > 4 * sizes["steep"], sizes
+
+
+def test_the_target_pace_follows_measured_passes() -> None:
+    """A calibration whose target passes run twice as long as it says (a slower disk) is priced at that
+    pace within a few dozen passes: the target's times, the overlap (the same read-ahead takes twice as
+    long), plain decoding's rate and λ. Passes as calibrated bring it back; a hand-written cost model is
+    priced as written."""
+    cost = CostModel({1: 0.4, 16: 0.5, 64: 0.8}, {1: 0.02, 16: 0.1}, overlap=0.1, measured=True)
+    slow_pass = 2 * cost.target_seconds(16) - 0.05  # after 0.05 s of drafting, within the doubled overlap
+    for policy in (AutoBudget(cost, max_budget=64), ChainCostStop(cost)):
+        rate = policy.gate.rate
+        for _ in range(60):
+            policy.observe_pass(16, 0.05, slow_pass)
+        assert policy.pace.factor == pytest.approx(2.0, rel=0.01)
+        assert policy.cost.target_seconds(16) == pytest.approx(1.0, rel=0.03)
+        assert policy.cost.overlap == pytest.approx(0.2, rel=0.03)
+        assert policy.gate.plain_rate == pytest.approx(1 / 0.8, rel=0.03)
+        assert policy.gate.rate == pytest.approx(rate / 2, rel=0.03)
+        assert policy.chain_times == pytest.approx(chain_seconds(cost.with_target_pace(2.0), 32 if
+            isinstance(policy, AutoBudget) else 20), rel=0.03)  # fmt: skip
+        if isinstance(policy, AutoBudget):
+            assert policy.target_table.tolist() == pytest.approx(
+                (2 * policy.measured_table).tolist(), rel=0.03
+            )
+        for _ in range(60):
+            policy.observe_pass(16, 0.05, cost.target_seconds(16) - 0.05)
+        assert policy.pace.factor == pytest.approx(1.0, rel=0.01)
+        assert policy.cost.target_seconds(16) == pytest.approx(0.5, rel=0.03)
+    written = AutoBudget(CostModel(cost.target, cost.draft, overlap=0.1), max_budget=64)
+    written.observe_pass(16, 0.05, slow_pass)
+    assert written.pace.factor == 1.0 and written.cost.target_seconds(16) == 0.5
+
+
+def test_a_slower_target_than_calibrated_drafts_more() -> None:
+    """Drafting costs the same while each target pass costs more: expanding the frontier that does not
+    pay at the calibrated pace pays at twice it (the failing rule: a λ left in the old units, which
+    made the tree smaller)."""
+    frontier = []
+    for pace in (1.0, 2.0):
+        cost = CostModel({1: 0.4, 16: 0.5, 64: 0.8}, {1: 0.25, 16: 0.5}, measured=True)
+        policy = AutoBudget(cost, max_budget=16)
+        for _ in range(60):
+            policy.observe_pass(4, 0.0, pace * cost.target_seconds(4))
+        frontier.append(
+            policy.frontier_size(torch.tensor([0.6, 0.4, 0.3]), torch.tensor([0.6, 0.4]), 0.1, 0.5)
+        )
+    assert frontier == [0, 2]
+
+
+def test_the_engine_tells_the_policy_each_verification_time(models, monkeypatch) -> None:
+    """Every verification's target time reaches the pace, and they sum to the target's decode time."""
+    seen = []
+    observe = specexec.budget.TargetPace.observe
+    monkeypatch.setattr(
+        specexec.budget.TargetPace, "observe", lambda self, p, m: (seen.append(m), observe(self, p, m))
+    )
+    measured = CostModel(STEEP.target, STEEP.draft, measured=True)
+    for method in ("specexec", "dsl"):
+        seen.clear()
+        out = auto_generate(models, method, measured)
+        assert len(seen) == out.stats.target_calls > 1
+        assert sum(seen) == pytest.approx(out.stats.target_seconds)
 
 
 def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) -> None:
@@ -446,7 +508,7 @@ def test_chain_cost_stop_follows_costs_and_confidence() -> None:
     before = chain_length(stop, 0.9)
     for _ in range(5):
         chain_length(stop, 0.9)
-        stop.observe([0.9, 0.9], accepted=0)
+        stop.observe([0.9, 0.9], accepted=0, first_pass_tokens=1, target_seconds=stop.pass_seconds(3, 0.0))
     assert chain_length(stop, 0.9) < before
 
 
@@ -458,7 +520,9 @@ def test_chain_cost_stop_charges_a_first_pass_that_caught_up() -> None:
     for first in (6, 1):
         stop = ChainCostStop(cost)
         before = stop.gate.seconds
-        stop.observe([0.9, 0.8], accepted=1, first_pass_tokens=first)
+        stop.observe(
+            [0.9, 0.8], accepted=1, first_pass_tokens=first, target_seconds=stop.pass_seconds(3, 0.0)
+        )
         spent[first] = stop.gate.seconds - before
     assert spent[1] == pytest.approx(stop.chain_times[2])
     assert spent[6] == pytest.approx(spent[1] + 0.5 - 0.01)
@@ -590,6 +654,24 @@ def test_learnt_policies_carry_what_one_generation_learnt_into_the_next(models) 
         assert again.tokens == fresh.tokens == first.tokens
         assert fresh.stats.draft_calls == first.stats.draft_calls > 0
         assert again.stats.draft_calls < fresh.stats.draft_calls / 2, method
+
+
+def test_saved_policies_keep_the_target_pace(tmp_path: Path) -> None:
+    """A new process starts at the pace the last one learnt, with λ in the units it was saved in."""
+    path = tmp_path / "pair.json"
+    cost = CostModel({1: 0.4, 16: 0.5, 64: 0.8}, {1: 0.02, 16: 0.1}, measured=True)
+    first = specexec.LearntPolicies(path)
+    policy = first.get(("pair",), ("setting",), lambda: AutoBudget(cost, max_budget=64))
+    for _ in range(60):
+        policy.observe_pass(1, 0.0, 1.5 * cost.target_seconds(1))
+    first.save()
+    again = specexec.LearntPolicies(path).get(
+        ("pair",), ("setting",), lambda: AutoBudget(cost, max_budget=64)
+    )
+    assert again.pace.factor == policy.pace.factor == pytest.approx(1.5, rel=0.01)
+    assert again.cost.target_seconds(16) == pytest.approx(0.75, rel=0.03)
+    assert again.gate.rate == pytest.approx(policy.gate.rate)
+    assert again.target_table.tolist() == pytest.approx((again.measured_table * policy.pace.factor).tolist())
 
 
 def test_saved_policies_start_a_new_process_where_the_last_one_stopped(models, tmp_path: Path) -> None:
@@ -860,6 +942,6 @@ def test_drafters_ask_their_policies_only_through_the_narrow_interface(
         runner.extend(prompt[:-1])
         proposal = drafter.propose(DraftRequest(prompt, 20, no_eos, 64, SamplingParams(), None, runner))
         assert proposal.tree.size > 2  # test design: the policy let it draft
-        drafter.observe(proposal, [1])
+        drafter.observe(proposal, [1], 0.1)
         seen.append((proposal.tree.tokens[: proposal.tree.size].tolist(), snapshot(policy)))
     assert seen[0] == seen[1]

@@ -5,6 +5,7 @@ interfaces the drafters use them through. What they learn is kept across generat
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
@@ -46,7 +47,9 @@ class ChainBudget(DraftingSwitch, ChainStop, Protocol):
     """What `ChainDrafter` asks of a cost stop (`ChainCostStop`): a chain stop that also switches drafting
     off, and learns how many tokens each chain's first draft pass took in."""
 
-    def observe(self, confidences: list[float], accepted: int, first_pass_tokens: int = 1) -> None: ...
+    def observe(
+        self, confidences: list[float], accepted: int, first_pass_tokens: int, target_seconds: float
+    ) -> None: ...
 
 
 class TreeBudget(DraftingSwitch, Protocol):
@@ -65,6 +68,7 @@ class TreeBudget(DraftingSwitch, Protocol):
     def step_seconds(self, size: int, draft_seconds: float) -> float: ...
     def observe(self, tree: DraftTree, path: Sequence[int], drafted: int) -> None: ...
     def record(self, tokens: int, seconds: float) -> None: ...
+    def observe_pass(self, tokens: int, drafting: float, seconds: float) -> None: ...
 
 
 class HeuristicLookahead:
@@ -142,10 +146,19 @@ class CostModel:
     `overlap`: seconds of drafting before a target pass that the pass takes back. A target streamed from
     disk reads its first units ahead while the draft works, up to its read-ahead window; the target
     times were taken pass after pass, without that head start.
+
+    `measured`: timed on this machine (`calibration.calibrate`). The policies then price the target at
+    the pace its passes actually run (`TargetPace`): a measurement is a snapshot of a machine that
+    drifts. A model written by hand is priced as written.
     """
 
     def __init__(
-        self, target: dict[int, float], draft: dict[int, float], label: str = "", overlap: float = 0.0
+        self,
+        target: dict[int, float],
+        draft: dict[int, float],
+        label: str = "",
+        overlap: float = 0.0,
+        measured: bool = False,
     ) -> None:
         if len(target) < 2 or len(draft) < 2:
             raise ValueError("a cost model needs at least two measured sizes per model")
@@ -155,6 +168,7 @@ class CostModel:
         self.draft = dict(sorted(draft.items()))
         self.label = label
         self.overlap = overlap
+        self.measured = measured
 
     def target_seconds(self, tokens: int) -> float:
         return _interpolate(self.target, tokens)
@@ -167,8 +181,17 @@ class CostModel:
         takes back, elementwise."""
         return (drafting - self.overlap).clamp(min=0.0)
 
+    def with_target_pace(self, factor: float) -> CostModel:
+        """This model with the target's times and its overlap `factor` times the measured ones (the
+        overlap is the target reading ahead: on a slower disk the same window takes as much longer)."""
+        target = {n: seconds * factor for n, seconds in self.target.items()}
+        return CostModel(target, self.draft, self.label, self.overlap * factor, self.measured)
+
     def to_json(self) -> dict:
-        return {"label": self.label, "target": self.target, "draft": self.draft, "overlap": self.overlap}
+        return {
+            "label": self.label, "target": self.target, "draft": self.draft, "overlap": self.overlap,
+            "measured": self.measured,
+        }  # fmt: skip
 
     def fingerprint(self) -> tuple:
         """Equal for cost models of the same measurements (a calibration read from disk twice)."""
@@ -178,7 +201,9 @@ class CostModel:
     def from_json(cls, data: dict) -> CostModel:
         as_points = lambda d: {int(k): float(v) for k, v in d.items()}  # noqa: E731
         target, draft = as_points(data["target"]), as_points(data["draft"])
-        return cls(target, draft, data.get("label", ""), float(data.get("overlap", 0.0)))
+        # Files without "measured" are calibrations written before it was recorded.
+        measured = bool(data.get("measured", True))
+        return cls(target, draft, data.get("label", ""), float(data.get("overlap", 0.0)), measured)
 
 
 def _interpolate(points: dict[int, float], x: int) -> float:
@@ -319,6 +344,13 @@ class SpeculationGate:
         else:
             self.pause = max(self.first_pause, self.pause // 2) if losing else self.first_pause
 
+    def reprice(self, cost: CostModel, scale: float) -> None:
+        """The target's times are now `cost`'s, `scale` times what they were: plain decoding's rate and
+        the seconds recorded so far follow, so λ stays in the units every rule now prices time in."""
+        self.plain_rate = 1.0 / cost.target_seconds(1)
+        self.seconds *= scale
+        self.history = [(tokens, seconds * scale) for tokens, seconds in self.history]
+
     def state(self) -> dict:
         """λ and the pause (a window in progress is not kept)."""
         return {"tokens": self.tokens, "seconds": self.seconds, "pause": self.pause, "paused": self.paused}
@@ -329,6 +361,27 @@ class SpeculationGate:
         if not (tokens > 0 and seconds > 0 and pause >= 1 and paused >= 0):
             raise ValueError("not a gate state")
         self.tokens, self.seconds, self.pause, self.paused = tokens, seconds, pause, paused
+
+
+class TargetPace:
+    """How the target's passes run against the calibration, followed online: a factor on its times.
+
+    A calibration is a snapshot of the machine. A target streamed from disk costs what the disk reads at
+    the time: one calibration at --ram 0 caught the disk at two thirds of its usual speed, and the runs
+    after it verified trees priced for that disk (docs/benchmarks.md); other programs' load moves a
+    target in RAM too. Each verification's measured time moves the factor PACE_WEIGHT of the way (in log)
+    toward the one that would have predicted it, within PACE_LIMITS.
+    """
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+
+    def observe(self, predicted: float, measured: float) -> None:
+        """A pass predicted, at the current factor, to take `predicted` seconds took `measured`."""
+        if predicted <= 0 or measured <= 0:
+            return
+        low, high = PACE_LIMITS
+        self.factor = min(high, max(low, self.factor * (measured / predicted) ** PACE_WEIGHT))
 
 
 def chain_seconds(cost: CostModel, max_length: int) -> list[float]:
@@ -378,12 +431,54 @@ def catch_up_window(cost: CostModel) -> int | None:
 class DraftingPolicy:
     """What both auto policies decide before a step drafts, from their learnt acceptance (`acceptance`),
     their speculation gate (`gate`) and the times T(k) of chains of k = 0, 1, ... draft tokens
-    (`chain_times`, `chain_seconds`); and how much a draft reads after plain steps (`catch_up`)."""
+    (`chain_times`, `chain_seconds`); how much a draft reads after plain steps (`catch_up`); and how
+    the target's passes run against the calibration (`pace`), which prices every rule's times (`cost`)."""
 
-    cost: CostModel
+    calibrated: CostModel  # as measured
+    cost: CostModel  # as priced: the target's times at the current pace
+    priced: float  # the pace `cost` was priced at
+    pace: TargetPace
     acceptance: AcceptanceModel
     gate: SpeculationGate
     chain_times: list[float]
+
+    def _start_pricing(self, cost: CostModel, chain_length: int) -> None:
+        self.calibrated, self.cost, self.priced, self.pace = cost, cost, 1.0, TargetPace()
+        self.chain_times = chain_seconds(cost, chain_length)
+        self.acceptance = AcceptanceModel()
+        self.gate = SpeculationGate(cost)
+
+    def pass_seconds(self, tokens: int, drafting: float) -> float:
+        """A target pass over `tokens` tokens after `drafting` seconds of the draft's work, as priced: the
+        measured pass less what a streamed target read ahead meanwhile (the `overlap`)."""
+        return self.cost.target_seconds(tokens) - min(drafting, self.cost.overlap)
+
+    def observe_pass(self, tokens: int, drafting: float, seconds: float) -> None:
+        """A verification over `tokens` tokens, after `drafting` seconds of drafting as priced, took
+        `seconds` in the target: the pace follows, and the rules are priced again once it moved by
+        REPRICE. Only a measured cost model follows (`CostModel.measured`)."""
+        if not self.calibrated.measured:
+            return
+        self.pace.observe(self.pass_seconds(tokens, drafting), seconds)
+        if abs(math.log(self.pace.factor / self.priced)) >= math.log1p(REPRICE):
+            self._price(self.pace.factor)
+
+    def restore_pace(self, factor: float) -> None:
+        """Start from a pace learnt before (`LearntPolicies`), on a measured cost model."""
+        low, high = PACE_LIMITS
+        if not low <= factor <= high:
+            raise ValueError("not a pace")
+        if self.calibrated.measured:
+            self.pace.factor = factor
+            self._price(factor)
+
+    def _price(self, factor: float) -> None:
+        """Price every rule at the target's pace `factor`."""
+        scale, self.priced = factor / self.priced, factor
+        self.cost = self.calibrated.with_target_pace(factor)
+        self.chain_times = chain_seconds(self.cost, len(self.chain_times) - 1)
+        self.gate.reprice(self.cost, scale)
+        self.__dict__.pop("window", None)  # `window`'s cached value was priced at the old pace
 
     @functools.cached_property
     def window(self) -> int | None:
@@ -426,15 +521,17 @@ class AutoBudget(DraftingPolicy):
     """
 
     def __init__(self, cost: CostModel, max_budget: int = 1024) -> None:
-        self.cost = cost
         self.max_budget = max_budget
-        self.acceptance = AcceptanceModel()
-        self.gate = SpeculationGate(cost)
+        self._start_pricing(cost, CHAIN_CHECK)
         # Target time for 1 .. max_budget + 1 tokens and draft time for 1 .. max_budget nodes, looked up
-        # every draft round.
-        self.target_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
+        # every draft round (the target's as measured, then as priced: interpolation scales with it).
+        self.measured_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
+        self.target_table = self.measured_table
         self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
-        self.chain_times = chain_seconds(cost, CHAIN_CHECK)
+
+    def _price(self, factor: float) -> None:
+        super()._price(factor)
+        self.target_table = self.measured_table * factor
 
     def draft_pass_seconds(self, nodes: int) -> float:
         """The cost model's time for a draft pass over `nodes` nodes."""
@@ -531,11 +628,8 @@ class ChainCostStop(DraftingPolicy):
 
     def __init__(self, cost: CostModel, max_length: int = 20) -> None:
         self.max_length = max_length
-        self.cost = cost
-        # T(k) for k = 0 .. max_length, looked up for every length after every draft token.
-        self.chain_times = chain_seconds(cost, max_length)
-        self.acceptance = AcceptanceModel()
-        self.gate = SpeculationGate(cost)
+        # T(k) for k = 0 .. max_length (`chain_times`), looked up for every length after every draft token.
+        self._start_pricing(cost, max_length)
         self.start()
 
     def start(self) -> None:
@@ -560,19 +654,22 @@ class ChainCostStop(DraftingPolicy):
                 return False
         return True
 
-    def observe(self, confidences: list[float], accepted: int, first_pass_tokens: int = 1) -> None:
-        """The chain's draft probabilities, how many of its tokens were accepted, and how many tokens its
+    def observe(
+        self, confidences: list[float], accepted: int, first_pass_tokens: int, target_seconds: float
+    ) -> None:
+        """The chain's draft probabilities, how many of its tokens were accepted, how many tokens its
         first draft pass took in (the gate charges that pass for all of them: after plain steps the
-        draft catches up on theirs, which T(k) leaves out)."""
+        draft catches up on theirs, which T(k) leaves out) and the verification's measured target time."""
         verified = confidences[: accepted + 1]  # tokens after the first rejection were never checked
         labels = torch.arange(len(verified)) < accepted
         self.acceptance.observe(torch.tensor(verified), labels)
+        k, drafting = len(confidences), 0.0
         if confidences:
-            k = len(confidences)
             drafting = k * self.cost.draft_seconds(1)
             drafting += self.cost.draft_seconds(first_pass_tokens) - self.cost.draft_seconds(1)
             seconds = float(self.cost.exposed(torch.tensor(drafting))) + self.cost.target_seconds(k + 1)
             self.gate.record(accepted + 1, seconds)
+        self.observe_pass(k + 1, drafting, target_seconds)
         self.start()
 
 
@@ -583,6 +680,11 @@ RATE_MEMORY = 512
 # The longest pause of `SpeculationGate`, in steps, where drafting has been paying and where it has not.
 PAYING_MAX_PAUSE = 64
 LOSING_MAX_PAUSE = 256
+# How the target's pace follows its measured passes (`TargetPace`): the share of the way (in log) one pass
+# moves it, and the most it moves the calibration either way. A streamed pass varies by about 20%.
+PACE_WEIGHT = 0.1
+PACE_LIMITS = (0.25, 4.0)
+REPRICE = 0.02  # a move of the pace by this share prices the policy's tables again
 CATCH_UP_PASSES = 0.5  # what a draft's catch-up after plain steps may cost, in target passes
 CATCH_UP_LIMIT = 1024  # a catch-up of this many tokens within that cost: no tokens are skipped
 CHAIN_CHECK = 32  # the longest chain `AutoBudget.worth_drafting` considers

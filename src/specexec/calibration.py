@@ -156,7 +156,7 @@ def calibrate(
         }
         for name in models
     )
-    return CostModel(target_curve, draft_curve, label, overlap)
+    return CostModel(target_curve, draft_curve, label, overlap, measured=True)
 
 
 def _rounds(sizes: dict[str, list[int]], repeats: int, slow: set[str]) -> list[list[tuple[str, int]]]:

@@ -52,6 +52,9 @@ class Stats:
     tree_depths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step
     cache_bytes: int = 0  # the runners' KV caches and working buffers (the weights apart)
+    # An auto budget's pace of the target against its measured calibration after the last step
+    # (`budget.TargetPace`: 1.2 is passes 20% slower than calibrated); None without one.
+    target_pace: float | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -234,7 +237,7 @@ class Generation:
         self.vocab_size = as_model(target).vocab_size
         self.text = TextStream(tokenizer, settings.stop_strings) if settings.stop_strings else None
         self.draft_ahead = settings.draft_ahead
-        self.drafter = _drafter(self.method, settings, target, draft, cost_model, learnt)
+        self.drafter, self.policy = _drafter(self.method, settings, target, draft, cost_model, learnt)
         self.stats = Stats(method=self.method.name, prompt_tokens=self.prompt.numel())
         self.committed = self.prompt
         # Committed tokens plus scratch slots for the largest tree a step can build, in both caches; the
@@ -297,11 +300,13 @@ class Generation:
         proposal = self.drafter.propose(request)
         tree = proposal.tree
         root_slot = self.committed.numel() - 1
+        before = self.target_runner.forward_seconds
         logits, ahead = self._verify(proposal, request, root_slot)  # (size, V)
+        verify_seconds = self.target_runner.forward_seconds - before
         path, bonus = self.method.rule(tree, logits, proposal, self.sampling, self.generator)
         path_nodes = torch.tensor([0, *path], dtype=torch.long, device=self.prompt.device)
         self._commit(tree if ahead is None else ahead.tree, root_slot, path_nodes, bonus if ahead else None)
-        self.drafter.observe(proposal, path)
+        self.drafter.observe(proposal, path, verify_seconds)
         self._count(tree, proposal.draft_calls, len(path))
         self.stats.carried += carried
         self.stats.ahead_calls += ahead.draft_calls if ahead else 0
@@ -385,6 +390,8 @@ class Generation:
         stats.target_seconds = self.target_runner.forward_seconds
         stats.draft_seconds = draft.forward_seconds - stats.ahead_seconds if draft is not None else 0.0
         stats.cache_bytes = self.target_runner.nbytes + (draft.nbytes if draft is not None else 0)
+        if self.policy is not None and self.policy.calibrated.measured:
+            stats.target_pace = self.policy.pace.factor
         stats.target_calls += 1
         stats.draft_calls += draft_calls
         stats.tree_sizes.append(tree.size - 1)
@@ -446,12 +453,14 @@ def _check_window(prompt: torch.Tensor, max_new_tokens: int, target) -> None:
         )
 
 
-def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel | None, learnt) -> Drafter:
-    """The method's drafter; an "auto" budget becomes its cost policy (kept in `learnt` if given)."""
+def _drafter(
+    chosen: Method, settings: Settings, target, draft, cost: CostModel | None, learnt
+) -> tuple[Drafter, AutoBudget | ChainCostStop | None]:
+    """The method's drafter and, with an "auto" budget, its cost policy (kept in `learnt` if given)."""
     budget = chosen.default_budget if settings.budget is None else settings.budget
     confidence = ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
     if budget != "auto":
-        return chosen.make_drafter(budget, settings.draft_options, confidence, None)
+        return chosen.make_drafter(budget, settings.draft_options, confidence, None), None
     cost = cost or cached_cost_model(target, draft)
     max_budget = min(AUTO_MAX_BUDGET, tree_leaf_limit(target, draft)[0] - 2 * settings.ngram)
     make = (
@@ -467,9 +476,9 @@ def _drafter(chosen: Method, settings: Settings, target, draft, cost: CostModel 
     else:
         policy = make()
     if not chosen.chain:
-        return chosen.make_drafter(policy, settings.draft_options, confidence, None)
+        return chosen.make_drafter(policy, settings.draft_options, confidence, None), policy
     policy.start()  # a chain cut short by the last generation's end is not this one's
-    return chosen.make_drafter(DSL_MAX_LENGTH, settings.draft_options, confidence, policy)
+    return chosen.make_drafter(DSL_MAX_LENGTH, settings.draft_options, confidence, policy), policy
 
 
 def tree_leaf_limit(*models) -> tuple[int, str]:

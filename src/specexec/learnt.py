@@ -15,8 +15,8 @@ Policy = TypeVar("Policy", AutoBudget, ChainCostStop)
 
 
 class LearntPolicies:
-    """What the auto budgets learn (acceptance rates, the speculation gate and the achieved rate λ), kept
-    across generations.
+    """What the auto budgets learn (acceptance rates, the speculation gate and the achieved rate λ, the
+    target's pace against the calibration), kept across generations.
 
     Pass the same object to every `stream` call that should share it (a server, a benchmark): each
     generation then starts from what the ones before it learnt, instead of from the draft's own
@@ -50,6 +50,7 @@ class LearntPolicies:
             saved = self._saved.get(repr(setting))
             if saved is not None:
                 try:
+                    policy.restore_pace(float(saved.get("pace", 1.0)))  # before λ: it prices the gate
                     policy.acceptance.restore(saved["acceptance"])
                     policy.gate.restore(saved["gate"])
                 except (KeyError, TypeError, ValueError):  # a damaged entry: start fresh
@@ -63,7 +64,11 @@ class LearntPolicies:
             return
         states = dict(self._saved)
         for (_, setting), policy in self._policies.items():
-            states[repr(setting)] = {"acceptance": policy.acceptance.state(), "gate": policy.gate.state()}
+            states[repr(setting)] = {
+                "acceptance": policy.acceptance.state(),
+                "gate": policy.gate.state(),
+                "pace": policy.pace.factor,
+            }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
         partial.write_text(json.dumps({"format": LEARNT_FORMAT, "policies": states}))

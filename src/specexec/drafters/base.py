@@ -56,7 +56,7 @@ class Drafter(Protocol):
 
     def may_draft(self, steps: int = 1) -> bool: ...
 
-    def observe(self, draft: Draft, path: Sequence[int]) -> None: ...
+    def observe(self, draft: Draft, path: Sequence[int], target_seconds: float) -> None: ...
 
     def draft_ahead(
         self, draft: Draft, request: DraftRequest, verifying: Callable[[], bool], most: int
@@ -75,8 +75,9 @@ class DrafterBase:
         carried over from earlier generations by `LearntPolicies`)."""
         return True
 
-    def observe(self, draft: Draft, path: Sequence[int]) -> None:
-        """Called after each verification with the accepted tree nodes, root excluded, in order."""
+    def observe(self, draft: Draft, path: Sequence[int], target_seconds: float) -> None:
+        """Called after each verification with the accepted tree nodes, root excluded, in order, and the
+        seconds the target's forward took."""
 
     def draft_ahead(
         self, draft: Draft, request: DraftRequest, verifying: Callable[[], bool], most: int

@@ -51,6 +51,7 @@ class BestFirstDrafter(DrafterBase):
         self.max_rounds = max_rounds
         self.ngram = ngram
         self.last_seconds = 0.0  # the auto budget's estimate of the last step's time
+        self.last_drafting = 0.0  # and of its drafting
         self.max_tree_size = budget + 1 + self.expand * self.width + 2 * ngram
         self.ahead = ahead
         # The last proposal's children of verified nodes that its final cut left out (parents, tokens,
@@ -64,6 +65,7 @@ class BestFirstDrafter(DrafterBase):
 
     def propose(self, request: DraftRequest) -> Draft:
         self.spare = None
+        self.last_drafting = 0.0
         drafting = request.max_depth >= 1 and (self.policy is None or self.policy.drafts_now())
         if not drafting and not self.ngram:  # a plain step: the root alone, at a plain step's cost
             return plain_step(request)
@@ -101,6 +103,7 @@ class BestFirstDrafter(DrafterBase):
             self.spare = _left_out_children(tree, kept) if self.ahead else None
             steps.keep_nodes(kept)
             self.last_seconds = self.policy.step_seconds(size, draft_seconds)
+            self.last_drafting = draft_seconds
         drafted = tree.size
         if self.ngram:
             self._graft(tree, request)
@@ -202,8 +205,11 @@ class BestFirstDrafter(DrafterBase):
             chain = ngram_continuation(context, self.ngram)
             graft_chain(tree, anchor, chain, request.max_depth, request.eos_token_ids)
 
-    def observe(self, draft: Draft, path: Sequence[int]) -> None:
-        if self.policy and draft.tree.expanded[0]:  # grafted guesses carry no draft probability to learn from
+    def observe(self, draft: Draft, path: Sequence[int], target_seconds: float) -> None:
+        if not self.policy:
+            return
+        self.policy.observe_pass(draft.tree.size, self.last_drafting, target_seconds)
+        if draft.tree.expanded[0]:  # grafted guesses carry no draft probability to learn from
             self.policy.observe(draft.tree, path, draft.tree.size - draft.grafted)
             self.policy.record(len(path) + 1, self.last_seconds)
 

@@ -79,9 +79,9 @@ class ChainDrafter(DrafterBase):
         by_cost = self.cost_stop is not None and self.cost_stop.should_stop(confidence)
         return by_confidence or by_cost
 
-    def observe(self, draft: Draft, path: Sequence[int]) -> None:
+    def observe(self, draft: Draft, path: Sequence[int], target_seconds: float) -> None:
         """The stopping rules learn the chain's token probabilities and how many were accepted; the cost
-        stop also how many tokens its first draft pass took in."""
+        stop also how many tokens its first draft pass took in, and how long the target took."""
         accepted = len(path)
         if self.schedule is not None:
             self.schedule.observe(draft.tree.size - 1, accepted)
@@ -89,4 +89,4 @@ class ChainDrafter(DrafterBase):
         if self.stop is not None:
             self.stop.observe(draft.confidences, accepted)
         if self.cost_stop is not None:
-            self.cost_stop.observe(draft.confidences, accepted, draft.first_pass_tokens)
+            self.cost_stop.observe(draft.confidences, accepted, draft.first_pass_tokens, target_seconds)
