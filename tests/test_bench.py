@@ -258,6 +258,24 @@ def test_repeats_time_the_same_runs_again(target, draft, tokenizer, prompts, tmp
         run_benchmark(target, draft, tokenizer, prompts[:1], configs, repeats=0, progress=False)
 
 
+def test_auto_budgets_report_the_target_pace(
+    target, draft, tokenizer, prompts, tmp_path, monkeypatch
+) -> None:
+    """An auto budget on a calibration records, per generation, how its target ran against it; the
+    report gives the range (the tiny models' own calibration, measured first)."""
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
+    configs = [BenchConfig("ar"), BenchConfig("specexec", "auto")]
+    result = run_benchmark(
+        target, draft, tokenizer, prompts[:2], configs, max_new_tokens=8, warmup_tokens=0, progress=False
+    )
+    paces = [r["target_pace"] for r in result.records if r["label"] == "specexec@auto"]
+    assert len(paces) == 2 and all(0.25 <= pace <= 4.0 for pace in paces)
+    assert all(r["target_pace"] is None for r in result.records if r["label"] == "ar")
+    row = next(row for row in result.rows if row["label"] == "specexec@auto")
+    assert row["target_pace"] == [min(paces), max(paces)]
+    assert f"specexec@auto {min(paces):.2f}-{max(paces):.2f}" in markdown(result.rows, {}, plots=False)
+
+
 def test_paired_speedup_is_the_median_ratio_within_passes(greedy) -> None:
     """Passes drift (every other one 3x slower, both methods alike) and one pass of `fast` stalls: the
     paired figure is still the 2x that every other pass shows, while the ratio of totals is not."""

@@ -541,6 +541,7 @@ def _run_engine(
         "tree_sizes": list(stats.tree_sizes),
         "tree_depths": list(stats.tree_depths),
         "accepted": list(stats.accepted),
+        "target_pace": stats.target_pace,
         "prefill_timing": "engine",
         "hf_settings": None,
     }

@@ -161,6 +161,7 @@ def run_hf(
         "tree_sizes": tree_sizes,
         "tree_depths": list(tree_sizes),  # HF drafts are chains
         "accepted": None,
+        "target_pace": None,
         "prefill_timing": "separate-forward",
         "hf_settings": hf_assisted_settings()
         if assisted

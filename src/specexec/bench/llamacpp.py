@@ -245,6 +245,7 @@ def _record(
         "draft_seconds": draft_seconds,
         "target_seconds": wall - prefill - draft_seconds,
         "accepted": None,
+        "target_pace": None,
         "prefill_timing": "llamacpp",
         "hf_settings": settings,
     }

@@ -137,6 +137,10 @@ def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
     accepted = [x for r in group for x in r["accepted"] or []]
     row["mean_accepted"] = _mean(accepted) if all(r["accepted"] is not None for r in group) else None
     row["stopped_at_eos"] = sum(r["finish_reason"] == "stop" for r in group)
+    # An auto budget's pace of the target against its calibration at each generation's end (records
+    # from before it have none).
+    paces = [r["target_pace"] for r in group if r.get("target_pace") is not None]
+    row["target_pace"] = [min(paces), max(paces)] if paces else None
     # Storage read per target pass, the prefill's pass counted (records older than --ram have no count).
     read = [r.get("storage_read_bytes") for r in group]
     passes = row["target_calls"] + len(group)
@@ -338,6 +342,13 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
             f"| {_identical(row)} |"
         )
     gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+    paces = ", ".join(
+        f"{row['label']} {row['target_pace'][0]:.2f}-{row['target_pace'][1]:.2f}"
+        for row in rows
+        if row.get("target_pace")
+    )
+    if paces:
+        lines += ["", f"Target passes against the calibration (auto budgets' pace, per generation): {paces}."]
     if machine.get("simulated_offload"):
         lines += ["", f"**SIMULATED target timings** ({machine['simulated_offload']})."]
     if machine.get("weights_memory"):
