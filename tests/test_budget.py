@@ -312,6 +312,18 @@ def test_the_target_pace_follows_measured_passes() -> None:
     assert written.pace.factor == 1.0 and written.cost.target_seconds(16) == 0.5
 
 
+def test_a_pace_near_the_calibration_keeps_its_prices() -> None:
+    """Passes 20% slower than calibrated (within PACE_BAND: how a fresh calibration's own passes ran)
+    leave the prices as calibrated; 40% slower prices them at the pace."""
+    cost = CostModel({1: 0.4, 16: 0.5, 64: 0.8}, {1: 0.02, 16: 0.1}, measured=True)
+    for slower, priced in ((1.2, 0.5), (1.4, 0.7)):
+        policy = AutoBudget(cost, max_budget=64)
+        for _ in range(60):
+            policy.observe_pass(16, 0.0, slower * cost.target_seconds(16))
+        assert policy.pace.factor == pytest.approx(slower, rel=0.01)
+        assert policy.cost.target_seconds(16) == pytest.approx(priced, rel=0.03)
+
+
 def test_a_slower_target_than_calibrated_drafts_more() -> None:
     """Drafting costs the same while each target pass costs more: expanding the frontier that does not
     pay at the calibrated pace pays at twice it (the failing rule: a λ left in the old units, which
@@ -508,7 +520,7 @@ def test_chain_cost_stop_follows_costs_and_confidence() -> None:
     before = chain_length(stop, 0.9)
     for _ in range(5):
         chain_length(stop, 0.9)
-        stop.observe([0.9, 0.9], accepted=0, first_pass_tokens=1, target_seconds=stop.pass_seconds(3, 0.0))
+        stop.observe([0.9, 0.9], accepted=0, first_pass_tokens=1, target_seconds=cpu.target_seconds(3))
     assert chain_length(stop, 0.9) < before
 
 
@@ -520,9 +532,7 @@ def test_chain_cost_stop_charges_a_first_pass_that_caught_up() -> None:
     for first in (6, 1):
         stop = ChainCostStop(cost)
         before = stop.gate.seconds
-        stop.observe(
-            [0.9, 0.8], accepted=1, first_pass_tokens=first, target_seconds=stop.pass_seconds(3, 0.0)
-        )
+        stop.observe([0.9, 0.8], accepted=1, first_pass_tokens=first, target_seconds=cost.target_seconds(3))
         spent[first] = stop.gate.seconds - before
     assert spent[1] == pytest.approx(stop.chain_times[2])
     assert spent[6] == pytest.approx(spent[1] + 0.5 - 0.01)

@@ -370,7 +370,8 @@ class TargetPace:
     the time: one calibration at --ram 0 caught the disk at two thirds of its usual speed, and the runs
     after it verified trees priced for that disk (docs/benchmarks.md); other programs' load moves a
     target in RAM too. Each verification's measured time moves the factor PACE_WEIGHT of the way (in log)
-    toward the one that would have predicted it, within PACE_LIMITS.
+    toward the one that would have predicted it, within PACE_LIMITS; the policies price at it once it
+    is PACE_BAND off the calibration (`DraftingPolicy.observe_pass`).
     """
 
     def __init__(self) -> None:
@@ -448,20 +449,24 @@ class DraftingPolicy:
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
 
-    def pass_seconds(self, tokens: int, drafting: float) -> float:
-        """A target pass over `tokens` tokens after `drafting` seconds of the draft's work, as priced: the
-        measured pass less what a streamed target read ahead meanwhile (the `overlap`)."""
-        return self.cost.target_seconds(tokens) - min(drafting, self.cost.overlap)
-
     def observe_pass(self, tokens: int, drafting: float, seconds: float) -> None:
-        """A verification over `tokens` tokens, after `drafting` seconds of drafting as priced, took
-        `seconds` in the target: the pace follows, and the rules are priced again once it moved by
-        REPRICE. Only a measured cost model follows (`CostModel.measured`)."""
+        """A verification over `tokens` tokens, after `drafting` seconds of drafting (as the cost model
+        prices it), took `seconds` in the target: the pace follows (the pass predicted at the pace: the
+        target's time less what a streamed target read ahead meanwhile, the `overlap`, both at the pace).
+        The rules are priced at the pace while it is more than PACE_BAND off the calibration, and as
+        calibrated within it. Only a measured cost model follows (`CostModel.measured`)."""
         if not self.calibrated.measured:
             return
-        self.pace.observe(self.pass_seconds(tokens, drafting), seconds)
-        if abs(math.log(self.pace.factor / self.priced)) >= math.log1p(REPRICE):
-            self._price(self.pace.factor)
+        pace, measured = self.pace.factor, self.calibrated
+        predicted = pace * measured.target_seconds(tokens) - min(drafting, pace * measured.overlap)
+        self.pace.observe(predicted, seconds)
+        self._follow_pace()
+
+    def _follow_pace(self) -> None:
+        """Price the rules at the pace once it is PACE_BAND off the calibration, as calibrated within."""
+        wanted = self.pace.factor if abs(math.log(self.pace.factor)) > math.log1p(PACE_BAND) else 1.0
+        if abs(math.log(wanted / self.priced)) >= math.log1p(REPRICE):
+            self._price(wanted)
 
     def restore_pace(self, factor: float) -> None:
         """Start from a pace learnt before (`LearntPolicies`), on a measured cost model."""
@@ -470,7 +475,7 @@ class DraftingPolicy:
             raise ValueError("not a pace")
         if self.calibrated.measured:
             self.pace.factor = factor
-            self._price(factor)
+            self._follow_pace()
 
     def _price(self, factor: float) -> None:
         """Price every rule at the target's pace `factor`."""
@@ -684,6 +689,11 @@ LOSING_MAX_PAUSE = 256
 # moves it, and the most it moves the calibration either way. A streamed pass varies by about 20%.
 PACE_WEIGHT = 0.1
 PACE_LIMITS = (0.25, 4.0)
+# Within this share of the calibration the policies keep its prices: on the Zen 4 host a fresh
+# calibration's own target settled at a pace of 1.06-1.26 at --ram 0 (MT-Bench), and priced at it ran
+# 1% slower than as calibrated (paired, docs/benchmarks.md); a calibration 1.6x off, priced at the
+# pace, ran 4% faster.
+PACE_BAND = 0.3
 REPRICE = 0.02  # a move of the pace by this share prices the policy's tables again
 CATCH_UP_PASSES = 0.5  # what a draft's catch-up after plain steps may cost, in target passes
 CATCH_UP_LIMIT = 1024  # a catch-up of this many tokens within that cost: no tokens are skipped
