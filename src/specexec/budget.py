@@ -443,7 +443,8 @@ class DraftingPolicy:
     gate: SpeculationGate
     chain_times: list[float]
 
-    def _start_pricing(self, cost: CostModel, chain_length: int) -> None:
+    def _fresh(self, cost: CostModel, chain_length: int) -> None:
+        """A new policy's state: nothing learnt, the target priced as calibrated."""
         self.calibrated, self.cost, self.priced, self.pace = cost, cost, 1.0, TargetPace()
         self.chain_times = chain_seconds(cost, chain_length)
         self.acceptance = AcceptanceModel()
@@ -527,7 +528,7 @@ class AutoBudget(DraftingPolicy):
 
     def __init__(self, cost: CostModel, max_budget: int = 1024) -> None:
         self.max_budget = max_budget
-        self._start_pricing(cost, CHAIN_CHECK)
+        self._fresh(cost, CHAIN_CHECK)
         # Target time for 1 .. max_budget + 1 tokens and draft time for 1 .. max_budget nodes, looked up
         # every draft round (the target's as measured, then as priced: interpolation scales with it).
         self.measured_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
@@ -634,7 +635,7 @@ class ChainCostStop(DraftingPolicy):
     def __init__(self, cost: CostModel, max_length: int = 20) -> None:
         self.max_length = max_length
         # T(k) for k = 0 .. max_length (`chain_times`), looked up for every length after every draft token.
-        self._start_pricing(cost, max_length)
+        self._fresh(cost, max_length)
         self.start()
 
     def start(self) -> None:
