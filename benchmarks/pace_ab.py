@@ -40,10 +40,8 @@ def main() -> None:
     parser.add_argument("--stale", type=float, default=1.0)
     args = parser.parse_args()
     budget.PACE_BAND = args.band
-    spec = PairSpec(
-        DEFAULT_TARGET, DEFAULT_DRAFT, backend="llamacpp", threads=args.threads, ram=parse_size(args.ram),
-        draft_vocab="auto",
-    )  # fmt: skip
+    ram = parse_size(args.ram, zero=True)
+    spec = PairSpec(DEFAULT_TARGET, DEFAULT_DRAFT, backend="llamacpp", threads=args.threads, ram=ram)
     pair = load_pair(spec)
     calibrated = cached_cost_model(pair.target, pair.draft)
     cost = CostModel(
