@@ -114,7 +114,12 @@ def test_the_plan_covers_every_tensor_once_and_fits_its_ram(gguf: Path) -> None:
     part = stream.plan(gguf, ram)
     assert part.resident_bytes > 0 and part.streamed and part.ram_bytes <= ram
     resident = [u.name for u in units if u.name not in part.streamed]
-    assert resident == ["blk.0", "blk.1", "blk.2", "head"][: len(resident) - 1] + ["head"], resident
+    layers = [u.name for u in units if u.layer is not None]
+    # The head first, then layers spread over the pass: compute on them is when the reader reads ahead.
+    assert len(resident) > 2 and resident[-1] == "head", resident
+    assert resident[:-1] == stream.spread(layers, len(resident) - 1), resident
+    assert stream.spread(layers, 3) == ["blk.1", "blk.4", "blk.6"] and stream.spread(layers, 8) == layers
+    assert stream.spread(layers, 1) == ["blk.4"]
 
 
 def test_tensor_spans_read_from_the_header_equal_the_gguf_readers(
