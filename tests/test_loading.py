@@ -92,6 +92,19 @@ def test_a_draft_runs_its_own_quantization_else_the_targets(loaded) -> None:
         assert loaded[0]["quant"] == quant, spec  # the draft loads first
 
 
+def test_a_llamacpp_draft_beside_a_streamed_target_runs_q4_0_unless_told(loaded) -> None:
+    for spec, quant in [
+        (PairSpec("t.gguf", "d.gguf", ram=0), "q4_0"),
+        (PairSpec("t.gguf", "d.gguf", ram=2**29, draft_quant="none"), "none"),
+        (PairSpec("t.gguf", "d.gguf", ram=0, draft_quant="q8_0"), "q8_0"),
+        (PairSpec("t.gguf", "d", ram=0), "none"),  # a torch draft
+        (PairSpec("t.gguf", "d.gguf"), "none"),  # a target in RAM
+    ]:
+        loaded.clear()
+        load_pair(spec)
+        assert loaded[0]["quant"] == quant, spec
+
+
 def test_backend_label() -> None:
     assert backend_label("torch", None) == "torch"
     assert backend_label("llamacpp", "llamacpp") == "llamacpp"

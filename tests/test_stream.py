@@ -484,3 +484,6 @@ def test_bench_streams_every_llamacpp_method_and_records_what_it_read(tokenized_
     assert all(row["read_mib_per_target_pass"] is not None for row in rows)
     assert rows[2]["hf_settings"]["evicted_before_every_pass"]
     assert "Target streamed from disk (--ram)" in (out / "results.md").read_text()
+    # Beside a streamed target the draft runs a Q4_0 copy, and llama.cpp's speculation drafts with it too.
+    assert rows[0]["machine"]["draft_quant"] == "q4_0"
+    assert re.fullmatch(r"draft-0-q4_0-\w+/model\.gguf", rows[3]["hf_settings"]["draft_gguf"])

@@ -116,9 +116,9 @@ def _add_quant_args(parser: argparse.ArgumentParser, lists: bool) -> None:
         "--draft-quant",
         choices=QUANT_MODES + GGUF_QUANTS,
         default=None,
-        help="the draft's quantization (default: --quant); on the llama.cpp backend q8_0 or q4_0 run a "
-        "copy of the draft's GGUF requantized by llama.cpp (written once; the output is unchanged, the "
-        "draft's acceptance may fall)",
+        help="the draft's quantization (default: --quant; q4_0 for a llama.cpp draft when --ram streams "
+        "the target); on the llama.cpp backend q8_0 or q4_0 run a copy of the draft's GGUF requantized by "
+        "llama.cpp (written once; the output is unchanged, the draft's acceptance may fall)",
     )
     vocab_help = (
         "the draft scores only the first N token ids and the special tokens: a cheaper draft pass; 0 = "

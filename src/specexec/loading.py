@@ -2,7 +2,8 @@
 
 `PairSpec` says what to load (the command line's model options as plain values) and `load_pair` loads
 it into a `LoadedPair`. The backend decisions are small functions of their own: `target_backend`,
-`draft_backend`, `draft_vocab` (what "auto" means for the draft's vocabulary) and `backend_label`.
+`draft_backend`, `draft_quant` (the draft's weights beside a target streamed from disk), `draft_vocab` (what
+"auto" means for the draft's vocabulary) and `backend_label`.
 Importing this module loads neither torch nor transformers.
 """
 
@@ -18,9 +19,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PairSpec:
-    """What to load. `draft` None loads no draft; `draft_backend` and `draft_quant` None follow `backend`
-    and `quant`. `dtype` None is `specexec.models.default_dtype()`. `draft_vocab`: the token ids the
-    draft scores (0 = all, "auto": `draft_vocab`). The offloading options apply to the target only."""
+    """What to load. `draft` None loads no draft; `draft_backend` None follows `backend`, `draft_quant`
+    None follows `quant` (but see `draft_quant`). `dtype` None is `specexec.models.default_dtype()`.
+    `draft_vocab`: the token ids the draft scores (0 = all, "auto": `draft_vocab`). The offloading
+    options apply to the target only."""
 
     target: str
     draft: str | None
@@ -111,7 +113,7 @@ def load_draft(spec: PairSpec, target_tokenizer: PreTrainedTokenizerBase) -> Loa
     check_same_vocab(target_tokenizer, tokenizer)
     vocab = draft_vocab(spec.draft_vocab, backend, len(tokenizer))
     model = load_model(
-        spec.draft, _dtype(spec.dtype, backend), quant=spec.draft_quant or spec.quant, vocab=vocab,
+        spec.draft, _dtype(spec.dtype, backend), quant=draft_quant(spec, backend), vocab=vocab,
         backend=backend, threads=spec.threads,
     )  # fmt: skip
     return LoadedDraft(model, backend, vocab)
@@ -149,6 +151,18 @@ def draft_backend(spec: PairSpec) -> str:
     given = [("dtype", f"--dtype {spec.dtype}")] if spec.dtype else []
     given += [(key, f"{flag} {quant}")] if quant != "none" else []
     return choose_backend(spec.draft_backend or spec.backend, spec.draft, given)
+
+
+def draft_quant(spec: PairSpec, backend: str) -> str:
+    """The draft's quantization on `backend`: `draft_quant`, else `quant`; when neither is given, the
+    backend's default beside a target streamed from disk (`ram`) or not (`default_draft_quant`: a Q4_0
+    copy for a llama.cpp draft beside a streamed target, measured faster there, docs/benchmarks.md)."""
+    from specexec.backends import backend as runtime
+
+    quant = spec.draft_quant or spec.quant
+    if spec.draft_quant is None and quant == "none":
+        return runtime(backend).default_draft_quant(spec.ram is not None)
+    return quant
 
 
 def draft_vocab(value: int | str, backend: str, vocab_size: int) -> int:

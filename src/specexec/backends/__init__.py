@@ -8,7 +8,9 @@ generation's KV cache on it). Each runtime is a subpackage exposing:
 - `refusal(given: list[tuple[str, str]]) -> str | None`: why it cannot load with the options `given`
   (each an option key, e.g. "quant", and the option in the user's words), if it cannot;
 - `load(path: Path, options: LoadOptions) -> Model`;
-- `default_draft_vocab(vocab_size: int) -> int`: the ids `--draft-vocab auto` keeps (0: the whole head).
+- `default_draft_vocab(vocab_size: int) -> int`: the ids `--draft-vocab auto` keeps (0: the whole head);
+- `default_draft_quant(streamed_target: bool) -> str`: a draft's quantization where none is asked for
+  ("none": its weights as given), beside a target streamed from disk (`--ram`) or not.
 
 A model that has its own `make_runner` is a `Model` already; a PyTorch module is adapted by the torch
 backend (`as_model`). Nothing above this package names a runtime.

@@ -23,7 +23,7 @@ from specexec.cli_args import (
     int_at_least,
     pair_spec,
 )
-from specexec.loading import PairSpec, draft_backend, draft_vocab, load_draft, load_pair
+from specexec.loading import PairSpec, draft_backend, draft_quant, draft_vocab, load_draft, load_pair
 
 if TYPE_CHECKING:
     from specexec.bench.core import BenchConfig
@@ -310,7 +310,10 @@ def _configs(args: argparse.Namespace, vocabs: list[int]) -> list[BenchConfig]:
 def _llamacpp_runners(
     args: argparse.Namespace, longest_prompt: int
 ) -> tuple[LlamaCpp | None, LlamaCppSpeculative | None]:
-    """llama.cpp's own runners for the llamacpp and llamacpp-spec methods (None where not asked for)."""
+    """llama.cpp's own runners for the llamacpp and llamacpp-spec methods (None where not asked for).
+    llama.cpp's speculation drafts with the GGUF our llama.cpp draft runs: its requantized copy where
+    `draft_quant` makes one (its whole head: a reduced head is our draft's own)."""
+    from specexec.backends.base import GGUF_QUANTS
     from specexec.models import gguf_file
 
     llamacpp = llamacpp_spec = None
@@ -323,9 +326,14 @@ def _llamacpp_runners(
         from specexec.bench.llamacpp import LlamaCppSpeculative
 
         context = longest_prompt + args.max_new_tokens + max(args.llamacpp_spec_budgets) + 8
-        llamacpp_spec = LlamaCppSpeculative(
-            gguf_file(args.target), gguf_file(args.draft), context, args.threads, ram=args.ram
-        )
+        draft = gguf_file(args.draft)
+        quant = draft_quant(pair_spec(args, with_draft=True, quant=args.quant[0]), "llamacpp")
+        if quant in GGUF_QUANTS:
+            from specexec.backends.llamacpp.draft_gguf import derived_draft
+
+            draft = derived_draft(draft, 0, (), quant, args.threads) / "model.gguf"
+        target = gguf_file(args.target)
+        llamacpp_spec = LlamaCppSpeculative(target, draft, context, args.threads, ram=args.ram)
     return llamacpp, llamacpp_spec
 
 

@@ -155,7 +155,10 @@ class LlamaCppSpeculative:
                 verbose=False,
             )
         self.streamer = streamer()
+        # A derived draft copy is always model.gguf: its folder names it.
         self.names = (Path(target).name, Path(draft).name)
+        if Path(draft).name == "model.gguf":
+            self.names = (self.names[0], f"{Path(draft).parent.name}/model.gguf")
         self.version = llama_cpp.__version__
         self.target_calls = 0
         evaluate = self.llm.eval

@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from specexec.backends.base import LoadOptions
-from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB
+from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB, STREAMED_DRAFT_QUANT
 from specexec.backends.llamacpp.library import INSTALL_HINT, LlamaCppError
 from specexec.backends.llamacpp.model import LlamaCppModel
 
@@ -44,3 +44,8 @@ def load(path: Path, options: LoadOptions) -> LlamaCppModel:
 def default_draft_vocab(vocab_size: int) -> int:
     """`--draft-vocab auto`: DEFAULT_DRAFT_VOCAB ids for a draft with a larger vocabulary."""
     return DEFAULT_DRAFT_VOCAB if vocab_size > DEFAULT_DRAFT_VOCAB else 0
+
+
+def default_draft_quant(streamed_target: bool) -> str:
+    """STREAMED_DRAFT_QUANT beside a target streamed from disk, else the GGUF's own weights."""
+    return STREAMED_DRAFT_QUANT if streamed_target else "none"

@@ -7,10 +7,11 @@ its tokens, never what the target emits.
   full table, so the input ids are not restricted.
 - Requantized (`--draft-quant q8_0|q4_0`): every weight matrix in that type, by llama.cpp's own quantizer
   (which keeps the output layer at Q8_0 or better under q4_0). Q4_0 is the type ggml repacks for its
-  fastest CPU kernels on x86 and ARM, Q8_0 keeps an F16 draft's accuracy at half its bytes. Neither is
-  the default: the packaged 0.5B draft (Q5_0 and Q8_0 matrices) ran its passes 35-40% sooner in Q4_0
-  but agreed less with the target, and lost end to end; Q8_0 was no faster below 8 tokens a pass
-  (docs/benchmarks.md, "A requantized draft").
+  fastest CPU kernels on x86 and ARM, Q8_0 keeps an F16 draft's accuracy at half its bytes. The packaged
+  0.5B draft (Q5_0 and Q8_0 matrices) runs its passes 35-40% sooner in Q4_0 and agrees a little less
+  with the target: Q4_0 is the default beside a target streamed from disk, where drafting is a large
+  share of a step (`loading.draft_quant`; docs/benchmarks.md, session 27), not in RAM. Q8_0 was no
+  faster below 8 tokens a pass ("A requantized draft", session 25).
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ from specexec.paths import cache_root
 # T=0.6) the cheaper pass once made the policies draft more, until the speculation gate learnt to stop
 # sooner ("When drafting loses", session 7).
 DEFAULT_DRAFT_VOCAB = 64000
+# A draft's weights beside a target streamed from disk (`--ram`), unless --draft-quant or --quant says
+# otherwise (`loading.draft_quant`). A streamed target's step spends a large share drafting, which the
+# window's reads take back only in part; the packaged 0.5B draft in Q4_0 passes 1/4/16 tokens in
+# 12/30/69 ms against 18/42/105 on 2 cores, and `specexec --budget auto` ran 7-17% faster with it at
+# --ram 512MiB and 0-2% at --ram 0, paired per prompt (docs/benchmarks.md, session 27). In RAM the
+# target's passes are compute-bound and the default decodes plainly, so the draft stays as packaged.
+STREAMED_DRAFT_QUANT = "q4_0"
+
+
 # llama.cpp's file type for each of base.GGUF_QUANTS.
 FILE_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 

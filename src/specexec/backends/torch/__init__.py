@@ -45,3 +45,8 @@ def load(path: Path, options: LoadOptions) -> PreTrainedModel:
 def default_draft_vocab(vocab_size: int) -> int:
     """`--draft-vocab auto` keeps the whole head: the reduced head was not measured faster here."""
     return 0
+
+
+def default_draft_quant(streamed_target: bool) -> str:
+    """A draft runs its weights as loaded unless --draft-quant or --quant asks otherwise."""
+    return "none"
