@@ -329,9 +329,9 @@ def _llamacpp_runners(
         draft = gguf_file(args.draft)
         quant = draft_quant(pair_spec(args, with_draft=True, quant=args.quant[0]), "llamacpp")
         if quant in GGUF_QUANTS:
-            from specexec.backends.llamacpp.draft_gguf import derived_draft
+            from specexec.backends.llamacpp.draft_gguf import COPY_FILE, derived_draft
 
-            draft = derived_draft(draft, 0, (), quant, args.threads) / "model.gguf"
+            draft = derived_draft(draft, 0, (), quant, args.threads) / COPY_FILE
         target = gguf_file(args.target)
         llamacpp_spec = LlamaCppSpeculative(target, draft, context, args.threads, ram=args.ram)
     return llamacpp, llamacpp_spec

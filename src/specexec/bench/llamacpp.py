@@ -29,6 +29,7 @@ import numpy.typing as npt
 import torch
 
 from specexec.backends.llamacpp import stream
+from specexec.backends.llamacpp.draft_gguf import COPY_FILE
 from specexec.backends.llamacpp.library import INSTALL_HINT
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
@@ -155,10 +156,11 @@ class LlamaCppSpeculative:
                 verbose=False,
             )
         self.streamer = streamer()
-        # A derived draft copy is always model.gguf: its folder names it.
-        self.names = (Path(target).name, Path(draft).name)
-        if Path(draft).name == "model.gguf":
-            self.names = (self.names[0], f"{Path(draft).parent.name}/model.gguf")
+        # Every derived draft copy has the same file name: its folder says which copy it is.
+        draft_name = (
+            Path(draft).name if Path(draft).name != COPY_FILE else f"{Path(draft).parent.name}/{COPY_FILE}"
+        )
+        self.names = (Path(target).name, draft_name)
         self.version = llama_cpp.__version__
         self.target_calls = 0
         evaluate = self.llm.eval

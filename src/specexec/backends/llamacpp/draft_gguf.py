@@ -7,11 +7,9 @@ its tokens, never what the target emits.
   full table, so the input ids are not restricted.
 - Requantized (`--draft-quant q8_0|q4_0`): every weight matrix in that type, by llama.cpp's own quantizer
   (which keeps the output layer at Q8_0 or better under q4_0). Q4_0 is the type ggml repacks for its
-  fastest CPU kernels on x86 and ARM, Q8_0 keeps an F16 draft's accuracy at half its bytes. The packaged
-  0.5B draft (Q5_0 and Q8_0 matrices) runs its passes 35-40% sooner in Q4_0 and agrees a little less
-  with the target: Q4_0 is the default beside a target streamed from disk, where drafting is a large
-  share of a step (`loading.draft_quant`; docs/benchmarks.md, session 27), not in RAM. Q8_0 was no
-  faster below 8 tokens a pass ("A requantized draft", session 25).
+  fastest CPU kernels on x86 and ARM, Q8_0 keeps an F16 draft's accuracy at half its bytes. Q4_0 is the
+  default beside a target streamed from disk (STREAMED_DRAFT_QUANT, which says why); Q8_0 was no
+  faster below 8 tokens a pass (docs/benchmarks.md, "A requantized draft", session 25).
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ DEFAULT_DRAFT_VOCAB = 64000
 STREAMED_DRAFT_QUANT = "q4_0"
 
 
+COPY_FILE = "model.gguf"  # the copy's GGUF in its folder (the folder's name says what copy it is)
 # llama.cpp's file type for each of base.GGUF_QUANTS.
 FILE_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
@@ -68,7 +67,7 @@ def write_reduced_head_gguf(source: Path, size: int, always: Iterable[int], dest
     kept = kept_token_ids(size, vocab, always)
     position = {token: i for i, token in enumerate(kept)}
     arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(dest / "model.gguf", arch)
+    writer = GGUFWriter(dest / COPY_FILE, arch)
     for name, f in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
@@ -132,10 +131,10 @@ def derived_draft(gguf: Path, vocab: int, always: Iterable[int], quant: str, thr
                 write_reduced_head_gguf(gguf, vocab, always, partial)
             except (KeyError, ValueError) as err:  # not a layout the copy knows (no token embedding, ...)
                 raise LlamaCppError(f"cannot write {gguf.name} with a smaller head: {err!r}") from None
-            source = partial / "model.gguf"
+            source = partial / COPY_FILE
         if quant != "none":
             write_requantized_gguf(source, quant, partial / "requantized.gguf", threads)
-            os.replace(partial / "requantized.gguf", partial / "model.gguf")
+            os.replace(partial / "requantized.gguf", partial / COPY_FILE)
         os.replace(partial, folder)
     except OSError:
         if not folder.is_dir():

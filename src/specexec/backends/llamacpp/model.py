@@ -35,7 +35,7 @@ import torch
 
 from specexec.backends.base import WeightsMemory
 from specexec.backends.llamacpp import stream
-from specexec.backends.llamacpp.draft_gguf import derived_draft
+from specexec.backends.llamacpp.draft_gguf import COPY_FILE, derived_draft
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class LlamaCppModel:
             )
         if vocab or quant != "none":
             folder = derived_draft(self.gguf, vocab, always, quant, self.threads)
-            loaded = folder / "model.gguf"
+            loaded = folder / COPY_FILE
         if vocab:
             head = json.loads((folder / "head.json").read_text())
             self.head = torch.tensor(head["kept"])
