@@ -226,7 +226,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
     if not prompts:
         raise BenchError(f"prompt set {args.prompts!r} has no prompts")
-    llamacpp, llamacpp_spec = _llamacpp_runners(args, max(len(p.input_ids) for p in prompts))
+    llamacpp, llamacpp_spec = _llamacpp_runners(args, spec, max(len(p.input_ids) for p in prompts))
     # The pairs' drafts score the first --draft-vocab value; each other value loads a draft of its own.
     spec = replace(spec, draft_vocab=vocabs[0])
     pairs = {level: load_pair(replace(spec, quant=level)) for level in args.quant}
@@ -308,7 +308,7 @@ def _configs(args: argparse.Namespace, vocabs: list[int]) -> list[BenchConfig]:
 
 
 def _llamacpp_runners(
-    args: argparse.Namespace, longest_prompt: int
+    args: argparse.Namespace, spec: PairSpec, longest_prompt: int
 ) -> tuple[LlamaCpp | None, LlamaCppSpeculative | None]:
     """llama.cpp's own runners for the llamacpp and llamacpp-spec methods (None where not asked for).
     llama.cpp's speculation drafts with the GGUF our llama.cpp draft runs: its requantized copy where
@@ -327,11 +327,11 @@ def _llamacpp_runners(
 
         context = longest_prompt + args.max_new_tokens + max(args.llamacpp_spec_budgets) + 8
         draft = gguf_file(args.draft)
-        quant = draft_quant(pair_spec(args, with_draft=True, quant=args.quant[0]), "llamacpp")
+        quant = draft_quant(spec, "llamacpp")  # what our draft runs, were it on llama.cpp
         if quant in GGUF_QUANTS:
-            from specexec.backends.llamacpp.draft_gguf import COPY_FILE, derived_draft
+            from specexec.backends.llamacpp.draft_gguf import derived_draft
 
-            draft = derived_draft(draft, 0, (), quant, args.threads) / COPY_FILE
+            draft = derived_draft(draft, 0, (), quant, args.threads)
         target = gguf_file(args.target)
         llamacpp_spec = LlamaCppSpeculative(target, draft, context, args.threads, ram=args.ram)
     return llamacpp, llamacpp_spec

@@ -43,8 +43,6 @@ DEFAULT_DRAFT_VOCAB = 64000
 # --ram 512MiB and 0-2% at --ram 0, paired per prompt (docs/benchmarks.md, session 27). In RAM the
 # target's passes are compute-bound and the default decodes plainly, so the draft stays as packaged.
 STREAMED_DRAFT_QUANT = "q4_0"
-
-
 COPY_FILE = "model.gguf"  # the copy's GGUF in its folder (the folder's name says what copy it is)
 # llama.cpp's file type for each of base.GGUF_QUANTS.
 FILE_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
@@ -108,16 +106,18 @@ def write_requantized_gguf(source: Path, quant: str, dest: Path, threads: int) -
 
 
 def derived_draft(gguf: Path, vocab: int, always: Iterable[int], quant: str, threads: int) -> Path:
-    """The folder of `gguf`'s copy with a head of its first `vocab` ids and `always` (0: every id; the
+    """The GGUF of `gguf`'s copy with a head of its first `vocab` ids and `always` (0: every id; its
     folder then has no head.json) and its weights in `quant` ("none": as they are), written the first
-    time under the cache root."""
+    time under the cache root; `gguf` itself where neither asks for a copy."""
+    if not vocab and quant == "none":
+        return gguf
     always = sorted(set(always))
     stat = gguf.stat()
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{vocab}:{always}:{quant}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     folder = cache_root() / "drafts" / f"{gguf.stem}-{vocab}-{quant}-{digest}"
     if folder.is_dir():
-        return folder
+        return folder / COPY_FILE
     what = [f"a head of {vocab} token ids"] if vocab else []
     what += [f"{quant.upper()} weights"] if quant != "none" else []
     print(f"[writing {gguf.name} with {' and '.join(what)}, once: {folder}]", file=sys.stderr)
@@ -141,4 +141,4 @@ def derived_draft(gguf: Path, vocab: int, always: Iterable[int], quant: str, thr
             raise
     finally:  # another process wrote it first, or this one failed: nothing half-written stays
         shutil.rmtree(partial, ignore_errors=True)
-    return folder
+    return folder / COPY_FILE

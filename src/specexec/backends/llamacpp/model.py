@@ -35,7 +35,7 @@ import torch
 
 from specexec.backends.base import WeightsMemory
 from specexec.backends.llamacpp import stream
-from specexec.backends.llamacpp.draft_gguf import COPY_FILE, derived_draft
+from specexec.backends.llamacpp.draft_gguf import derived_draft
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 
 if TYPE_CHECKING:
@@ -86,16 +86,14 @@ class LlamaCppModel:
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
         self.threads = threads or torch.get_num_threads()
         self.quantization = quant  # "none": the GGUF's own weights, whatever their types
-        loaded = self.gguf
         self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
         if ram is not None and (vocab or quant != "none"):
             raise LlamaCppError(
                 "--ram streams a target's own GGUF, not a draft's copy (--draft-vocab, --draft-quant)"
             )
-        if vocab or quant != "none":
-            folder = derived_draft(self.gguf, vocab, always, quant, self.threads)
-            loaded = folder / COPY_FILE
+        loaded = derived_draft(self.gguf, vocab, always, quant, self.threads)
         if vocab:
+            folder = loaded.parent
             head = json.loads((folder / "head.json").read_text())
             self.head = torch.tensor(head["kept"])
             self._embedding = np.load(folder / "embedding.npy", mmap_mode="r")  # (V, row bytes or n_embd)
