@@ -39,9 +39,15 @@ PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
 MiB = 2**20
 
 
-def write_streamable(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
-    write_random_gguf(path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS)
-    return synced(path)
+def write_streamable(path: Path, seed: int = 0, noise: float = 0.0, split_max_tensors: int = 0) -> Path:
+    """The model; with `split_max_tensors`, as a split GGUF (its first file returned)."""
+    first = write_random_gguf(
+        path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS,
+        split_max_tensors=split_max_tensors,
+    )  # fmt: skip
+    for shard in stream.shards(first):
+        synced(shard)
+    return first
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,12 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("the temporary folder is in memory (tmpfs): nothing can be streamed from it")
     write_streamable(folder / "perturbed.gguf", noise=0.01)
     return write_streamable(folder / "target.gguf")
+
+
+@pytest.fixture(scope="module")
+def split_gguf(gguf: Path) -> Path:
+    """The same model in 3 files (`llama-gguf-split`'s layout, as large models are published): the first."""
+    return write_streamable(gguf.parent / "split.gguf", split_max_tensors=40)
 
 
 def direct_reads(path: Path) -> bool:
@@ -170,6 +182,55 @@ def test_streamed_logits_equal_resident_logits_bit_for_bit(gguf: Path, reads: st
         streamed = streamed_model(gguf, reads, threads=2, ram=ram)
         assert torch.equal(logits_of(streamed), resident), ram
         del streamed  # one model of a file at a time: another's mapping would hold its pages in RAM
+
+
+def test_a_split_gguf_streams_as_one_file_does(gguf: Path, split_gguf: Path, reads: str) -> None:
+    """Every tensor of the split GGUF in the plan, the same logits bit for bit, each pass reading its
+    streamed bytes, and the streamed pages not piling up in any of the files."""
+    first = split_gguf
+    files = stream.shards(first)
+    assert [f.name for f in files] == [f"split-0000{k}-of-00003.gguf" for k in (1, 2, 3)]
+    units, _ = stream.layout(first)
+    one_file = {u.name: u.nbytes for u in stream.layout(gguf)[0]}
+    assert {u.name: u.nbytes for u in units} == one_file
+    assert {stream.split(s)[0] for u in units for s, _ in u.spans} == {0, 1, 2}
+
+    resident = logits_of(LlamaCppModel(gguf, threads=2))
+    for ram in (0, half(gguf)):
+        model = streamed_model(first, reads, threads=2, ram=ram)
+        assert torch.equal(logits_of(model), resident), ram
+        if read_bytes():
+            assert read_per_pass(model) == pytest.approx(model.stream.plan.streamed_bytes, rel=0.1), ram
+        kept, streamed = model.stream.residency()
+        slack = 2 * stream.PAGE * len(units) + 256 * 1024
+        assert (
+            kept >= model.stream.plan.resident_bytes - slack
+            and streamed <= model.stream.plan.window_bytes + slack
+        )
+        del model
+
+
+def test_a_split_gguf_given_by_another_file_or_missing_one_is_a_one_line_error(gguf: Path) -> None:
+    first = write_streamable(gguf.parent / "parts.gguf", split_max_tensors=40)
+    second = first.with_name("parts-00002-of-00003.gguf")
+    with pytest.raises(LlamaCppError) as error:
+        LlamaCppModel(second, threads=1, ram=0)
+    assert str(error.value) == (
+        f"{second} is part of a split GGUF of 3 files: give its first, NAME-00001-of-00003.gguf"
+    )
+    with pytest.raises(LlamaCppError) as error:
+        LlamaCppModel(first, threads=1, vocab=64)
+    assert str(error.value) == (
+        "parts-00001-of-00003.gguf is a split GGUF: a draft with a smaller head (--draft-vocab) needs it in "
+        "one file (llama-gguf-split --merge), or --draft-vocab 0"
+    )
+    second.rename(second.with_suffix(".moved"))
+    with pytest.raises(LlamaCppError) as error:
+        LlamaCppModel(first, threads=1, ram=0)
+    assert (
+        str(error.value)
+        == "parts-00002-of-00003.gguf, part 2 of the split GGUF parts-00001-of-00003.gguf, is missing"
+    )
 
 
 def test_every_method_reproduces_greedy_decoding_streamed(gguf: Path, reads: str) -> None:
@@ -307,14 +368,18 @@ def test_between_passes_the_reader_fills_the_window_with_the_next_passs_first_un
         assert sum(held.values()) <= streamer.plan.window_bytes + slack, (t, held)
 
 
-def test_plain_llamacpp_short_of_memory_reads_the_whole_file_every_pass(gguf: Path) -> None:
-    """The bench's plain `llamacpp` peer with --ram evicts the whole file before each pass, the pages a
-    streamed model of the same file keeps resident included (else they stay cached for the peer too);
-    that model's resident part is read back after the peer's run."""
+@pytest.mark.parametrize("files", ["one file", "split"])
+def test_plain_llamacpp_short_of_memory_reads_the_whole_file_every_pass(
+    gguf: Path, split_gguf: Path, files: str
+) -> None:
+    """The bench's plain `llamacpp` peer with --ram evicts the whole file (every file of a split GGUF)
+    before each pass, the pages a streamed model of the same file keeps resident included (else they
+    stay cached for the peer too); that model's resident part is read back after the peer's run."""
     if read_bytes() == 0:
         pytest.skip("this kernel does not count the bytes a process reads (/proc/self/io)")
     from specexec.bench.llamacpp import LlamaCpp
 
+    gguf = split_gguf if files == "split" else gguf
     model = LlamaCppModel(gguf, threads=2, ram=half(gguf))
     streamer, plan = model.stream, model.stream.plan
     assert plan.resident_bytes > 0

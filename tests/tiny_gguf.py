@@ -35,8 +35,11 @@ def write_random_gguf(
     hidden: int = HIDDEN,
     ffn: int = FFN,
     layers: int = LAYERS,
+    split_max_tensors: int = 0,
 ) -> Path:
-    """Write a tiny `arch` ("llama" or "qwen2") GGUF with `weights` "f32" or "q8_0".
+    """Write a tiny `arch` ("llama" or "qwen2") GGUF with `weights` "f32" or "q8_0"; with
+    `split_max_tensors`, as a split GGUF of files of at most that many tensors each (the path returned is
+    its first, PATH's stem + "-00001-of-0000N.gguf").
 
     `noise` > 0 perturbs every weight of the `seed` model by that relative amount: a draft close to,
     but not equal to, the target written with the same seed. `logit_scale` scales the output matrix:
@@ -52,7 +55,7 @@ def write_random_gguf(
             data += noise * np.abs(data).mean() * noise_rng.standard_normal(shape).astype(np.float32)
         return data
 
-    writer = GGUFWriter(str(path), arch)
+    writer = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
@@ -94,7 +97,8 @@ def write_random_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    shards = sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+    return shards[0] if split_max_tensors and shards else path
 
 
 def on_storage(path: Path) -> bool:

@@ -61,7 +61,7 @@ class LlamaCpp:
                 n_threads_batch=self.threads,
                 verbose=False,
             )
-        self.short = ram is not None and ram < self.gguf.stat().st_size  # else it would all stay in RAM
+        self.short = ram is not None and ram < stream.file_bytes(self.gguf)  # else it all stays in RAM
         if self.short:  # loading read it all
             stream.evict(self.gguf)
             stream.restore_resident(self.gguf)
@@ -329,7 +329,7 @@ def _unrepacked(gguf: Path, enabled: bool, ram: int | None = None):
     finally:
         api.llama_model_default_params, api.llama_context_default_params = model_defaults, context_defaults
     if plan is not None and plan.streamed:
-        made["streamer"] = later.streamer = stream.Streamer(gguf, stream.mapping_base(gguf, before), plan)
+        made["streamer"] = later.streamer = stream.Streamer(gguf, stream.mapping_bases(gguf, before), plan)
         made["streamer"].eval_callback = callback  # kept alive with the streamer
 
 

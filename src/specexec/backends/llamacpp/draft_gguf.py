@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from specexec.backends.llamacpp.library import LlamaCppError, llama_cpp_library
+from specexec.backends.llamacpp.stream import shards
 from specexec.draft_vocab import kept_token_ids
 from specexec.paths import cache_root
 
@@ -111,6 +112,11 @@ def derived_draft(gguf: Path, vocab: int, always: Iterable[int], quant: str, thr
     time under the cache root; `gguf` itself where neither asks for a copy."""
     if not vocab and quant == "none":
         return gguf
+    if vocab and len(shards(gguf)) > 1:  # the copy is written from the first file's tensors
+        raise LlamaCppError(
+            f"{gguf.name} is a split GGUF: a draft with a smaller head (--draft-vocab) needs it in one file "
+            "(llama-gguf-split --merge), or --draft-vocab 0"
+        )
     always = sorted(set(always))
     stat = gguf.stat()
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{vocab}:{always}:{quant}"

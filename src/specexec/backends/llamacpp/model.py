@@ -110,7 +110,7 @@ class LlamaCppModel:
             raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
         self.stream: stream.Streamer | None = None
         if plan is not None and plan.streamed:
-            self.stream = stream.Streamer(self.gguf, stream.mapping_base(self.gguf, maps), plan)
+            self.stream = stream.Streamer(self.gguf, stream.mapping_bases(self.gguf, maps), plan)
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
         self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [

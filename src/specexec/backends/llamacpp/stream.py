@@ -20,6 +20,9 @@ it. `Streamer` decides instead, in units of one layer (`blk.N`) plus the output 
 - the token embedding table is gathered a few rows a pass: it is never read ahead, and the rows a pass
   touched are dropped after it.
 
+A split GGUF (`llama-gguf-split`: NAME-00001-of-0000N.gguf and its N - 1 siblings, which llama.cpp
+maps one by one) is streamed as one: its offsets here are global, file k's byte b at (k << SHARD_SHIFT) + b.
+
 Neither way can change a result: a unit's addresses hold the file's bytes at all times, mapped from the
 file (read again if touched again) or from a copy read whole. The file is checked before every pass: one
 that changed on disk is an error (`LlamaCppError`), since the kernels would be handed other weights.
@@ -54,6 +57,8 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 EMBEDDING = "token_embd.weight"
 READ_CHUNK = 2**22  # bytes per readahead request (4 MiB, within the kernel's usual limits)
 LAYER_OUTPUT = b"l_out-"  # llama.cpp names each layer's output "l_out-<layer>" (llama-graph.cpp, `cb`)
+SHARD_SHIFT = 48  # a split GGUF's file k holds the global offsets from k << SHARD_SHIFT on
+SPLIT_COUNT = "split.count"  # the key of a split GGUF's first file that says how many files it has
 
 # This process's C library (`plan` refuses systems other than Linux before any call).
 _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
@@ -133,7 +138,39 @@ def layout(gguf: Path) -> tuple[list[Unit], tuple[int, int]]:
 
 
 def tensor_spans(gguf: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's bytes in the file (absolute offsets, the ones llama.cpp maps), from the GGUF header.
+    """Each tensor's bytes in the file (absolute offsets, the ones llama.cpp maps), from the GGUF header;
+    for a split GGUF, in all of its files (global offsets, `shards`)."""
+    spans = {}
+    for k, path in enumerate(shards(gguf)):
+        origin = k << SHARD_SHIFT
+        spans.update({name: (origin + a, origin + b) for name, (a, b) in _header(path)[0].items()})
+    return spans
+
+
+def shards(gguf: Path) -> tuple[Path, ...]:
+    """The files of the GGUF `gguf`: itself, or all of a split GGUF's given its first, named as llama.cpp
+    looks for them (`llama_split_path`: NAME-00002-of-00003.gguf beside NAME-00001-of-00003.gguf)."""
+    count = _header(gguf)[1]
+    if count <= 1:
+        return (gguf,)
+    first = f"-00001-of-{count:05d}.gguf"
+    if not gguf.name.endswith(first):
+        raise LlamaCppError(f"{gguf} is part of a split GGUF of {count} files: give its first, NAME{first}")
+    prefix = gguf.name[: -len(first)]
+    paths = tuple(gguf.with_name(f"{prefix}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1))
+    for part, path in enumerate(paths[1:], start=2):
+        if not path.is_file():
+            raise LlamaCppError(f"{path.name}, part {part} of the split GGUF {gguf.name}, is missing")
+    return paths
+
+
+def file_bytes(gguf: Path) -> int:
+    """The bytes of the GGUF's files (`shards`)."""
+    return sum(path.stat().st_size for path in shards(gguf))
+
+
+def _header(gguf: Path) -> tuple[dict[str, tuple[int, int]], int]:
+    """One GGUF file's tensors' bytes (offsets in the file) and its split count (1 if not split).
 
     Only the header is parsed, the metadata values skipped: `gguf.GGUFReader` decodes every value (the
     vocabulary's 150,000 strings among them), which took 6 s for the 1.5B target on every streamed load."""
@@ -146,7 +183,12 @@ def tensor_spans(gguf: Path) -> dict[str, tuple[int, int]]:
         raise LlamaCppError(f"{gguf} is not a readable GGUF file ({type(error).__name__}: {error})") from None
 
 
-def _tensor_spans(data: mmap.mmap) -> dict[str, tuple[int, int]]:
+def split(offset: int) -> tuple[int, int]:
+    """(file index, offset in that file) of a global offset (`SHARD_SHIFT`)."""
+    return offset >> SHARD_SHIFT, offset & ((1 << SHARD_SHIFT) - 1)
+
+
+def _tensor_spans(data: mmap.mmap) -> tuple[dict[str, tuple[int, int]], int]:
     from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 
     fixed = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
@@ -182,11 +224,13 @@ def _tensor_spans(data: mmap.mmap) -> dict[str, tuple[int, int]]:
         else:
             at += fixed[kind]
 
-    alignment = GGUF_DEFAULT_ALIGNMENT
+    alignment, count = GGUF_DEFAULT_ALIGNMENT, 1
     for _ in range(n_values):
         key, kind = text(), take("<I")
         if key == "general.alignment":
             alignment = take("<I")
+        elif key == SPLIT_COUNT:
+            count = take("<H")  # uint16
         else:
             skip(kind)
     infos = []
@@ -198,7 +242,7 @@ def _tensor_spans(data: mmap.mmap) -> dict[str, tuple[int, int]]:
         block, size = GGML_QUANT_SIZES[kind]
         infos.append((name, offset, math.prod(shape) // block * size))
     start = -(-at // alignment) * alignment  # the tensor data begins at the next alignment boundary
-    return {name: (start + offset, start + offset + n) for name, offset, n in infos}
+    return {name: (start + offset, start + offset + n) for name, offset, n in infos}, count
 
 
 def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -270,13 +314,18 @@ def spread(items: list[str], count: int) -> list[str]:
     return [items[(2 * i + 1) * len(items) // (2 * count)] for i in range(count)]
 
 
-def mapping_base(gguf: Path, before: set[str]) -> int:
-    """The address where llama.cpp's mapping of `gguf` would put the file's byte 0 (it maps from the
-    tensor data's page on), found in /proc/self/maps among the lines not in `before` (the maps read
-    before loading: the same file may be mapped twice)."""
-    for start, _, offset in _mappings_of(gguf, mapped() - before):
-        return start - offset
-    raise LlamaCppError(f"llama.cpp did not map {gguf}; it cannot be streamed")
+def mapping_bases(gguf: Path, before: set[str]) -> tuple[int, ...]:
+    """For each of the GGUF's files (`shards`), the address where llama.cpp's mapping of it would put the
+    file's byte 0 (it maps from the tensor data's page on), found in /proc/self/maps among the lines not
+    in `before` (the maps read before loading: the same file may be mapped twice)."""
+    bases = []
+    for path in shards(gguf):
+        found = _mappings_of(path, mapped() - before)
+        if not found:
+            raise LlamaCppError(f"llama.cpp did not map {path}; it cannot be streamed")
+        start, _, offset = found[0]
+        bases.append(start - offset)
+    return tuple(bases)
 
 
 def mapped() -> set[str]:
@@ -354,13 +403,14 @@ def evict(gguf: Path) -> None:
     before the next pass needs it (the bench). Every mapping of the file in this process lets go of its
     pages first (a page still mapped stays in the page cache), a streamed model's resident units too:
     `restore_resident` reads those back."""
-    for start, end, _ in _mappings_of(gguf, mapped()):
-        _libc.madvise(start, end - start, MADV_DONTNEED)  # clean file pages: read again if touched
-    fd = os.open(gguf, os.O_RDONLY)  # for the call only
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    for path in shards(gguf):
+        for start, end, _ in _mappings_of(path, mapped()):
+            _libc.madvise(start, end - start, MADV_DONTNEED)  # clean file pages: read again if touched
+        fd = os.open(path, os.O_RDONLY)  # for the call only
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def restore_resident(gguf: Path) -> None:
@@ -381,12 +431,14 @@ class _Ring:
     unit's addresses always hold its bytes: the file's, or the ring's once they are read whole. Only
     whole pages are mapped over; a page shared with a neighbouring unit stays the file's."""
 
-    def __init__(self, gguf: Path, size: int) -> None:
+    def __init__(self, files: tuple[Path, ...], size: int) -> None:
         self.size = size
-        self.fd = os.open(gguf, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        self.fds: list[int] = []  # one per file of the GGUF (`shards`)
         self.memfd = -1
         self.address = 0
         try:
+            for path in files:
+                self.fds.append(os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
             self.memfd = os.memfd_create("specexec-stream", os.MFD_CLOEXEC)
             os.ftruncate(self.memfd, size)
             address = _libc.mmap(None, size, PROT_READ | PROT_WRITE, MAP_SHARED, self.memfd, 0)
@@ -394,7 +446,7 @@ class _Ring:
                 raise OSError(ctypes.get_errno(), "cannot map the read buffer")
             self.address = address
             # A file system may accept O_DIRECT at open and refuse it at the first read (EINVAL).
-            if _libc.pread(self.fd, self.address, PAGE, 0) < 0:
+            if _libc.pread(self.fds[0], self.address, PAGE, 0) < 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         except OSError:
             self.close()
@@ -415,8 +467,8 @@ class _Ring:
         self.placed.pop(g, None)
 
     def read(self, start: int, pages: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-        """Read the file's page ranges `pages` into the ring from `start` on: (file offset, ring offset,
-        bytes) for each piece contiguous in both."""
+        """Read the page ranges `pages` (global offsets) into the ring from `start` on: (global offset, ring
+        offset, bytes) for each piece contiguous in both."""
         pieces: list[tuple[int, int, int]] = []
         at = start
         for first, last in pages:
@@ -424,7 +476,8 @@ class _Ring:
             while offset < last:
                 position = at % self.size
                 n = min(last - offset, self.size - position, READ_CHUNK)
-                got = _libc.pread(self.fd, self.address + position, n, offset)
+                k, local = split(offset)
+                got = _libc.pread(self.fds[k], self.address + position, n, local)
                 if got != n:
                     error = ctypes.get_errno() if got < 0 else 0
                     raise OSError(error, f"read {got} of {n} bytes at {offset}: {os.strerror(error)}")
@@ -437,20 +490,24 @@ class _Ring:
                 at += n
         return pieces
 
-    def map_in(self, base: int, pieces: list[tuple[int, int, int]]) -> None:
-        """Map the ring's pieces over the file's pages in the mapping at `base`."""
+    def map_in(self, bases: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> None:
+        """Map the ring's pieces over the files' pages in their mappings at `bases`."""
         for offset, position, n in pieces:
+            k, local = split(offset)
             flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE
-            if _libc.mmap(base + offset, n, PROT_READ, flags, self.memfd, position) != base + offset:
+            at = bases[k] + local
+            if _libc.mmap(at, n, PROT_READ, flags, self.memfd, position) != at:
                 raise OSError(ctypes.get_errno(), "cannot map read pages into llama.cpp's mapping")
 
     @staticmethod
-    def map_out(base: int, fd: int, pieces: list[tuple[int, int, int]]) -> None:
-        """Map the file (`fd`) back where `pieces` were mapped in, as llama.cpp mapped it."""
+    def map_out(bases: tuple[int, ...], fds: list[int], pieces: list[tuple[int, int, int]]) -> None:
+        """Map the files (`fds`) back where `pieces` were mapped in, as llama.cpp mapped them."""
         for offset, _, n in pieces:
-            if _libc.mmap(base + offset, n, PROT_READ, MAP_SHARED | MAP_FIXED, fd, offset) != base + offset:
+            k, local = split(offset)
+            at = bases[k] + local
+            if _libc.mmap(at, n, PROT_READ, MAP_SHARED | MAP_FIXED, fds[k], local) != at:
                 raise OSError(ctypes.get_errno(), "cannot map the file back into llama.cpp's mapping")
-            _libc.madvise(base + offset, n, MADV_RANDOM)
+            _libc.madvise(at, n, MADV_RANDOM)
 
     def empty(self) -> None:
         """Free the ring's memory (read into again, it is allocated again)."""
@@ -464,10 +521,10 @@ class _Ring:
         if self.address:
             _libc.munmap(self.address, self.size)
             self.address = 0
-        for fd in (self.fd, self.memfd):
+        for fd in (*self.fds, self.memfd):
             if fd >= 0:
                 os.close(fd)
-        self.fd = self.memfd = -1
+        self.fds, self.memfd = [], -1
 
 
 class Streamer:
@@ -480,13 +537,13 @@ class Streamer:
     next streamed unit is mapped in. Units are counted across passes (unit i of pass p is p * n + i), so
     the reader runs on into the next pass's first units while the draft works."""
 
-    def __init__(self, gguf: Path, base: int, plan: Plan) -> None:
+    def __init__(self, gguf: Path, bases: tuple[int, ...], plan: Plan) -> None:
         self.plan = plan
-        self.base = base
         self.gguf = gguf
-        self.fd = os.open(gguf, os.O_RDONLY)
-        stat = os.fstat(self.fd)
-        self._identity = (stat.st_size, stat.st_mtime_ns)
+        self.files = shards(gguf)
+        self.bases = bases  # where llama.cpp maps each file (`mapping_bases`)
+        self.fds = [os.open(path, os.O_RDONLY) for path in self.files]
+        self._identity = self._stats()
         self.streamed = [u for u in plan.units if u.name in plan.streamed]
         self._by_layer = {u.layer: i for i, u in enumerate(self.streamed) if u.layer is not None}
         # Each streamed unit's whole pages (what a ring holds), and which streamed unit follows each layer,
@@ -521,8 +578,10 @@ class Streamer:
         # into the next unit behind the reader's back, and land after that unit's drop. The reader asks
         # for exactly the units it reads.
         spans = [s for u in plan.units for s in u.spans] + ([plan.embedding] if plan.embedding[1] else [])
-        first, last = min(s for s, _ in spans) // PAGE * PAGE, -(-max(e for _, e in spans) // PAGE) * PAGE
-        _libc.madvise(base + first, last - first, MADV_RANDOM)
+        for k, base in enumerate(bases):
+            local = [self._local(*s)[2:] for s in spans if split(s[0])[0] == k]
+            first, last = min(s for s, _ in local) // PAGE * PAGE, -(-max(e for _, e in local) // PAGE) * PAGE
+            _libc.madvise(base + first, last - first, MADV_RANDOM)
         # Pages another mapping just let go of, or just written, can take a moment to become evictable.
         for wait in (0.0, 0.05, 0.2, 0.5):
             time.sleep(wait)
@@ -533,7 +592,8 @@ class Streamer:
             if sum(self.resident(*s) for s in inner if s[1] > s[0]) <= sum(e - s for s, e in inner) // 10:
                 break
         else:
-            os.close(self.fd)
+            for fd in self.fds:
+                os.close(fd)
             raise LlamaCppError(
                 f"--ram cannot be kept: the pages of {gguf} do not leave RAM (is it mapped by another "
                 "program, or still being written?)"
@@ -551,19 +611,20 @@ class Streamer:
         units read with O_DIRECT (past the page cache, as `dd iflag=direct` does), 16 MiB a request;
         where O_DIRECT is refused, read into the page cache as the reader does, and dropped after."""
         start = min(s[0] for u in self.streamed for s in u.spans) // PAGE * PAGE
-        end = min(start + most, max(s[1] for u in self.streamed for s in u.spans))
+        k = split(start)[0]  # in the first file that streams
+        end = min(start + most, max(e for u in self.streamed for s, e in u.spans if split(s)[0] == k))
         block = mmap.mmap(-1, 16 * 2**20)  # page-aligned, as O_DIRECT needs
         try:
-            fd = os.open(self.gguf, os.O_RDONLY | os.O_DIRECT)
+            fd = os.open(self.files[k], os.O_RDONLY | os.O_DIRECT)
         except OSError:
             fd = None
         begin = time.perf_counter()
         try:
             if fd is not None:
-                offset = start
-                while offset < end and (n := os.preadv(fd, [block], offset)) > 0:
+                offset, last = split(start)[1], split(end)[1]
+                while offset < last and (n := os.preadv(fd, [block], offset)) > 0:
                     offset += n
-                return (offset - start) / max(time.perf_counter() - begin, 1e-9)
+                return (offset - split(start)[1]) / max(time.perf_counter() - begin, 1e-9)
         except OSError:
             pass
         finally:
@@ -578,7 +639,7 @@ class Streamer:
         """A ring for the units in RAM at once, or None where the file system refuses O_DIRECT (the
         reader then reads through the page cache)."""
         try:
-            return _Ring(self.gguf, self._window) if self._window else None
+            return _Ring(self.files, self._window) if self._window else None
         except (OSError, AttributeError):  # AttributeError: no os.memfd_create (a C library before 2.27)
             return None
 
@@ -594,8 +655,7 @@ class Streamer:
             if self._paused:
                 self._paused, self._idle = False, False
                 self._cond.notify_all()
-        stat = os.fstat(self.fd)
-        if (stat.st_size, stat.st_mtime_ns) != self._identity:
+        if self._stats() != self._identity:
             raise LlamaCppError(f"{self.gguf} changed on disk during the run; load it again")
         if self._failed is not None:
             raise LlamaCppError(f"reading {self.gguf} failed: {self._failed}")
@@ -680,7 +740,7 @@ class Streamer:
                 pieces = self._pieces.pop(g, None)
                 self._remapping += 1
             try:
-                self.ring.map_out(self.base, self.fd, pieces or [])
+                self.ring.map_out(self.bases, self.fds, pieces or [])
             except OSError as error:  # its ring bytes stay mapped, so they are never read into again
                 with self._cond:
                     self._failed = error
@@ -734,10 +794,12 @@ class Streamer:
                 continue
             for g in range(first, ahead + 1):
                 for span in self.streamed[g % n].spans:
-                    request_reads(self.fd, *span)
+                    _, fd, start, end = self._local(*span)
+                    request_reads(fd, start, end)
             unit = self.streamed[self._reading % n]
             for span in unit.spans:
-                map_read(self.base, *span)
+                base, _, start, end = self._local(*span)
+                map_read(base, start, end)
             with self._cond:
                 late, self._drop_after_read, self._reading = self._drop_after_read, False, None
                 self._cond.notify_all()
@@ -757,7 +819,7 @@ class Streamer:
             with self._cond:
                 self._remapping += 1
             mapping = True
-            self.ring.map_in(self.base, pieces)
+            self.ring.map_in(self.bases, pieces)
         except OSError as error:
             pieces, failed = [], error
         else:
@@ -778,16 +840,26 @@ class Streamer:
         for span in unit.spans:
             self._drop(*span)
 
+    def _local(self, start: int, end: int) -> tuple[int, int, int, int]:
+        """(mapping base, fd, start, end) of the global start..end in its file."""
+        k, local = split(start)
+        return self.bases[k], self.fds[k], local, local + end - start
+
+    def _stats(self) -> list[tuple[int, int]]:
+        """Each file's size and modification time: a file changed on disk is an error."""
+        return [(stat.st_size, stat.st_mtime_ns) for stat in map(os.fstat, self.fds)]
+
     def _populate(self, start: int, end: int) -> None:
-        populate(self.base, self.fd, start, end)
+        populate(*self._local(start, end))
 
     def _drop(self, start: int, end: int) -> None:
-        drop(self.base, self.fd, start, end)
+        drop(*self._local(start, end))
 
     def resident(self, start: int, end: int) -> int:
         """Bytes of the file's start..end in the page cache (mincore over the mapping)."""
+        base, _, start, end = self._local(start, end)
         first, last = start // PAGE * PAGE, -(-end // PAGE) * PAGE
-        return pages_in_ram(self.base + first, last - first)
+        return pages_in_ram(base + first, last - first)
 
     def _remapped(self) -> None:
         """A ring mapping in or out is over and recorded (called holding `_cond`)."""
@@ -827,7 +899,8 @@ class Streamer:
             for g in list(self._pieces):
                 self._finish(g)
             self.ring.close()
-        os.close(self.fd)
+        for fd in self.fds:
+            os.close(fd)
 
 
 _open: weakref.WeakSet[Streamer] = weakref.WeakSet()
