@@ -214,7 +214,7 @@ def test_a_split_gguf_given_by_another_file_or_missing_one_is_a_one_line_error(g
     first = write_streamable(gguf.parent / "parts.gguf", split_max_tensors=40)
     second = first.with_name("parts-00002-of-00003.gguf")
     with pytest.raises(LlamaCppError) as error:
-        LlamaCppModel(second, threads=1, ram=0)
+        LlamaCppModel(second, threads=1)  # streamed or not
     assert str(error.value) == (
         f"{second} is part of a split GGUF of 3 files: give its first, NAME-00001-of-00003.gguf"
     )
@@ -226,7 +226,7 @@ def test_a_split_gguf_given_by_another_file_or_missing_one_is_a_one_line_error(g
     )
     second.rename(second.with_suffix(".moved"))
     with pytest.raises(LlamaCppError) as error:
-        LlamaCppModel(first, threads=1, ram=0)
+        LlamaCppModel(first, threads=1)
     assert (
         str(error.value)
         == "parts-00002-of-00003.gguf, part 2 of the split GGUF parts-00001-of-00003.gguf, is missing"

@@ -84,6 +84,7 @@ class LlamaCppModel:
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
+        stream.shards(self.gguf)  # a split GGUF's first file, with every part beside it, or an error
         self.threads = threads or torch.get_num_threads()
         self.quantization = quant  # "none": the GGUF's own weights, whatever their types
         self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
