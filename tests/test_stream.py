@@ -39,12 +39,11 @@ PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
 MiB = 2**20
 
 
-def write_streamable(path: Path, seed: int = 0, noise: float = 0.0, split_max_tensors: int = 0) -> Path:
-    """The model; with `split_max_tensors`, as a split GGUF (its first file returned)."""
+def write_streamable(path: Path, seed: int = 0, noise: float = 0.0, **split) -> Path:
+    """The model; with `split` (`write_random_gguf`'s), as a split GGUF (its first file returned)."""
     first = write_random_gguf(
-        path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS,
-        split_max_tensors=split_max_tensors,
-    )  # fmt: skip
+        path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS, **split
+    )
     for shard in stream.shards(first):
         synced(shard)
     return first
@@ -61,8 +60,9 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def split_gguf(gguf: Path) -> Path:
-    """The same model in 3 files (`llama-gguf-split`'s layout, as large models are published): the first."""
-    return write_streamable(gguf.parent / "split.gguf", split_max_tensors=40)
+    """The same model in 4 files (`llama-gguf-split`'s layout, as large models are published), the first
+    of metadata only: the first."""
+    return write_streamable(gguf.parent / "split.gguf", split_max_tensors=40, metadata_first=True)
 
 
 def direct_reads(path: Path) -> bool:
@@ -98,9 +98,10 @@ def streamed_model(gguf: Path, reads: str, **kwargs) -> LlamaCppModel:
 
 
 def total_bytes(path: Path) -> int:
+    """The bytes of the model's tensors, in all of its files."""
     from gguf import GGUFReader
 
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    return sum(int(t.n_bytes) for shard in stream.shards(path) for t in GGUFReader(shard).tensors)
 
 
 def half(path: Path) -> int:
@@ -189,11 +190,11 @@ def test_a_split_gguf_streams_as_one_file_does(gguf: Path, split_gguf: Path, rea
     streamed bytes, and the streamed pages not piling up in any of the files."""
     first = split_gguf
     files = stream.shards(first)
-    assert [f.name for f in files] == [f"split-0000{k}-of-00003.gguf" for k in (1, 2, 3)]
+    assert [f.name for f in files] == [f"split-0000{k}-of-00004.gguf" for k in (1, 2, 3, 4)]
     units, _ = stream.layout(first)
     one_file = {u.name: u.nbytes for u in stream.layout(gguf)[0]}
     assert {u.name: u.nbytes for u in units} == one_file
-    assert {stream.split(s)[0] for u in units for s, _ in u.spans} == {0, 1, 2}
+    assert {stream.split(s)[0] for u in units for s, _ in u.spans} == {1, 2, 3}
 
     resident = logits_of(LlamaCppModel(gguf, threads=2))
     for ram in (0, half(gguf)):

@@ -36,10 +36,12 @@ def write_random_gguf(
     ffn: int = FFN,
     layers: int = LAYERS,
     split_max_tensors: int = 0,
+    metadata_first: bool = False,
 ) -> Path:
     """Write a tiny `arch` ("llama" or "qwen2") GGUF with `weights` "f32" or "q8_0"; with
     `split_max_tensors`, as a split GGUF of files of at most that many tensors each (the path returned is
-    its first, PATH's stem + "-00001-of-0000N.gguf").
+    its first, PATH's stem + "-00001-of-0000N.gguf"), with `metadata_first` a first file of metadata only
+    (`llama-gguf-split --no-tensor-first-split`).
 
     `noise` > 0 perturbs every weight of the `seed` model by that relative amount: a draft close to,
     but not equal to, the target written with the same seed. `logit_scale` scales the output matrix:
@@ -55,7 +57,9 @@ def write_random_gguf(
             data += noise * np.abs(data).mean() * noise_rng.standard_normal(shape).astype(np.float32)
         return data
 
-    writer = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    writer = GGUFWriter(
+        str(path), arch, split_max_tensors=split_max_tensors, small_first_shard=metadata_first
+    )
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)

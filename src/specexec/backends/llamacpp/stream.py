@@ -321,10 +321,13 @@ def mapping_bases(gguf: Path, before: set[str]) -> tuple[int, ...]:
     bases = []
     for path in shards(gguf):
         found = _mappings_of(path, mapped() - before)
-        if not found:
+        if found:
+            start, _, offset = found[0]
+            bases.append(start - offset)
+        elif not _header(path)[0]:  # metadata only (`llama-gguf-split --no-tensor-first-split`): unused
+            bases.append(0)
+        else:
             raise LlamaCppError(f"llama.cpp did not map {path}; it cannot be streamed")
-        start, _, offset = found[0]
-        bases.append(start - offset)
     return tuple(bases)
 
 
@@ -580,8 +583,12 @@ class Streamer:
         spans = [s for u in plan.units for s in u.spans] + ([plan.embedding] if plan.embedding[1] else [])
         for k, base in enumerate(bases):
             local = [self._local(*s)[2:] for s in spans if split(s[0])[0] == k]
-            first, last = min(s for s, _ in local) // PAGE * PAGE, -(-max(e for _, e in local) // PAGE) * PAGE
-            _libc.madvise(base + first, last - first, MADV_RANDOM)
+            if local:  # a file may hold metadata only
+                first, last = (
+                    min(s for s, _ in local) // PAGE * PAGE,
+                    -(-max(e for _, e in local) // PAGE) * PAGE,
+                )
+                _libc.madvise(base + first, last - first, MADV_RANDOM)
         # Pages another mapping just let go of, or just written, can take a moment to become evictable.
         for wait in (0.0, 0.05, 0.2, 0.5):
             time.sleep(wait)
