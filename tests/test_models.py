@@ -215,12 +215,30 @@ def test_file_that_is_not_gguf(tmp_path: Path) -> None:
 
 def test_broken_gguf(tmp_path: Path) -> None:
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
-    with pytest.raises(ModelSourceError, match="cannot read .*junk.gguf"):
+    with pytest.raises(ModelSourceError, match="junk.gguf is not a GGUF file$"):
         load_model(str(tmp_path / "junk.gguf"))
     write_tiny_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes()[:1000])
-    with pytest.raises(ModelSourceError, match="cannot read .*cut.gguf"):
+    with pytest.raises(ModelSourceError, match="cut.gguf is not a readable GGUF file"):
         load_model(str(tmp_path / "cut.gguf"))
+
+
+def test_split_gguf_on_torch_and_a_part_given_for_its_first_are_clear_errors(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    from tiny_gguf import write_random_gguf
+
+    first = write_random_gguf(tmp_path / "split.gguf", "qwen2", split_max_tensors=10)
+    assert first.name == "split-00001-of-00003.gguf"
+    with pytest.raises(ModelSourceError) as error:
+        load_model(str(first), backend="torch")  # transformers would read the first file's tensors only
+    assert str(error.value) == (
+        "split-00001-of-00003.gguf is a split GGUF: the torch backend converts a GGUF of one file (merge it "
+        "with llama-gguf-split --merge), or run it on the llama.cpp backend"
+    )
+    second = first.with_name("split-00002-of-00003.gguf")
+    with pytest.raises(ModelSourceError, match="is part of a split GGUF of 3 files: give its first"):
+        load_tokenizer(str(second))
 
 
 def test_errors_are_value_errors() -> None:

@@ -25,6 +25,7 @@ from tiny_gguf import on_storage, synced, write_random_gguf
 
 import specexec
 from specexec.budget import CostModel
+from specexec.gguf_files import GGUFFileError, shards, split, tensor_spans
 from specexec.sizes import format_bytes
 from specexec.storage import read_bytes
 
@@ -39,12 +40,13 @@ PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
 MiB = 2**20
 
 
-def write_streamable(path: Path, seed: int = 0, noise: float = 0.0, **split) -> Path:
-    """The model; with `split` (`write_random_gguf`'s), as a split GGUF (its first file returned)."""
+def write_streamable(path: Path, seed: int = 0, noise: float = 0.0, **files) -> Path:
+    """The model; with `files` (`write_random_gguf`'s split options), as a split GGUF (its first file
+    returned)."""
     first = write_random_gguf(
-        path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS, **split
+        path, "qwen2", "f32", seed=seed, noise=noise, hidden=256, ffn=1024, layers=LAYERS, **files
     )
-    for shard in stream.shards(first):
+    for shard in shards(first):
         synced(shard)
     return first
 
@@ -101,7 +103,7 @@ def total_bytes(path: Path) -> int:
     """The bytes of the model's tensors, in all of its files."""
     from gguf import GGUFReader
 
-    return sum(int(t.n_bytes) for shard in stream.shards(path) for t in GGUFReader(shard).tensors)
+    return sum(int(t.n_bytes) for shard in shards(path) for t in GGUFReader(shard).tensors)
 
 
 def half(path: Path) -> int:
@@ -145,15 +147,15 @@ def test_tensor_spans_read_from_the_header_equal_the_gguf_readers(
     for path in (gguf, tokenized_gguf):
         tensors = GGUFReader(path).tensors
         reader = {t.name: (int(t.data_offset), int(t.data_offset + t.n_bytes)) for t in tensors}
-        assert stream.tensor_spans(path) == reader, path
+        assert tensor_spans(path) == reader, path
     other = tmp_path / "not.gguf"
     other.write_bytes(b"PK\x03\x04" + bytes(64))
-    with pytest.raises(LlamaCppError, match="is not a GGUF file"):
-        stream.tensor_spans(other)
+    with pytest.raises(GGUFFileError, match="is not a GGUF file"):
+        tensor_spans(other)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tokenized_gguf.read_bytes()[:200])  # the file ends inside its metadata
-    with pytest.raises(LlamaCppError, match="is not a readable GGUF file"):
-        stream.tensor_spans(cut)
+    with pytest.raises(GGUFFileError, match="is not a readable GGUF file"):
+        tensor_spans(cut)
 
 
 def test_a_size_below_the_minimum_is_a_one_line_error_naming_it(gguf: Path) -> None:
@@ -189,12 +191,12 @@ def test_a_split_gguf_streams_as_one_file_does(gguf: Path, split_gguf: Path, rea
     """Every tensor of the split GGUF in the plan, the same logits bit for bit, each pass reading its
     streamed bytes, and the streamed pages not piling up in any of the files."""
     first = split_gguf
-    files = stream.shards(first)
+    files = shards(first)
     assert [f.name for f in files] == [f"split-0000{k}-of-00004.gguf" for k in (1, 2, 3, 4)]
     units, _ = stream.layout(first)
     one_file = {u.name: u.nbytes for u in stream.layout(gguf)[0]}
     assert {u.name: u.nbytes for u in units} == one_file
-    assert {stream.split(s)[0] for u in units for s, _ in u.spans} == {1, 2, 3}
+    assert {split(s)[0] for u in units for s, _ in u.spans} == {1, 2, 3}
 
     resident = logits_of(LlamaCppModel(gguf, threads=2))
     for ram in (0, half(gguf)):
@@ -214,7 +216,7 @@ def test_a_split_gguf_streams_as_one_file_does(gguf: Path, split_gguf: Path, rea
 def test_a_split_gguf_given_by_another_file_or_missing_one_is_a_one_line_error(gguf: Path) -> None:
     first = write_streamable(gguf.parent / "parts.gguf", split_max_tensors=40)
     second = first.with_name("parts-00002-of-00003.gguf")
-    with pytest.raises(LlamaCppError) as error:
+    with pytest.raises(GGUFFileError) as error:
         LlamaCppModel(second, threads=1)  # streamed or not
     assert str(error.value) == (
         f"{second} is part of a split GGUF of 3 files: give its first, NAME-00001-of-00003.gguf"
@@ -226,7 +228,7 @@ def test_a_split_gguf_given_by_another_file_or_missing_one_is_a_one_line_error(g
         "one file (llama-gguf-split --merge), or --draft-vocab 0"
     )
     second.rename(second.with_suffix(".moved"))
-    with pytest.raises(LlamaCppError) as error:
+    with pytest.raises(GGUFFileError) as error:
         LlamaCppModel(first, threads=1)
     assert (
         str(error.value)

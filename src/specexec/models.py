@@ -34,6 +34,7 @@ from specexec import backends  # noqa: E402
 from specexec.backends import as_model  # noqa: E402
 from specexec.backends.base import LoadOptions, quant_option  # noqa: E402
 from specexec.draft_vocab import check_draft_vocab  # noqa: E402
+from specexec.gguf_files import GGUFFileError, shards  # noqa: E402
 from specexec.paths import cache_root  # noqa: E402
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -172,6 +173,7 @@ def _tokenizer_folder(source: str) -> Path:
     folder = dest.with_name(dest.name + "-tokenizer")
     if folder.is_dir():
         return folder
+    _files(path)  # a split GGUF is given by its first file, which holds the tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError, KeyError, struct.error) as err:
@@ -288,8 +290,21 @@ def _check_model_folder(folder: Path) -> None:
     raise ModelSourceError(f"{folder} has no *.safetensors weights")
 
 
+def _files(gguf: Path) -> tuple[Path, ...]:
+    """The GGUF's files (`gguf_files.shards`), its errors as this module's."""
+    try:
+        return shards(gguf)
+    except GGUFFileError as err:
+        raise ModelSourceError(str(err)) from None
+
+
 def _convert(gguf: Path, dest: Path) -> Path:
     """Dequantize a GGUF into ``dest`` as a bf16 safetensors model plus its tokenizer; return ``dest``."""
+    if len(_files(gguf)) > 1:  # transformers reads the first file's tensors only
+        raise ModelSourceError(
+            f"{gguf.name} is a split GGUF: the torch backend converts a GGUF of one file (merge it with "
+            "llama-gguf-split --merge), or run it on the llama.cpp backend"
+        )
     kwargs = {"gguf_file": gguf.name, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)

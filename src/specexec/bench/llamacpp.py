@@ -31,6 +31,7 @@ import torch
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import COPY_FILE
 from specexec.backends.llamacpp.library import INSTALL_HINT
+from specexec.gguf_files import file_bytes
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
 
@@ -61,7 +62,7 @@ class LlamaCpp:
                 n_threads_batch=self.threads,
                 verbose=False,
             )
-        self.short = ram is not None and ram < stream.file_bytes(self.gguf)  # else it all stays in RAM
+        self.short = ram is not None and ram < file_bytes(self.gguf)  # else it all stays in RAM
         if self.short:  # loading read it all
             stream.evict(self.gguf)
             stream.restore_resident(self.gguf)

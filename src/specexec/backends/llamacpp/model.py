@@ -37,6 +37,7 @@ from specexec.backends.base import WeightsMemory
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import derived_draft
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
+from specexec.gguf_files import shards
 
 if TYPE_CHECKING:
     from specexec.backends.llamacpp.runner import LlamaCppRunner
@@ -84,7 +85,7 @@ class LlamaCppModel:
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
-        stream.shards(self.gguf)  # a split GGUF's first file, with every part beside it, or an error
+        shards(self.gguf)  # a split GGUF's first file, with every part beside it, or an error
         self.threads = threads or torch.get_num_threads()
         self.quantization = quant  # "none": the GGUF's own weights, whatever their types
         self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows

@@ -20,8 +20,8 @@ it. `Streamer` decides instead, in units of one layer (`blk.N`) plus the output 
 - the token embedding table is gathered a few rows a pass: it is never read ahead, and the rows a pass
   touched are dropped after it.
 
-A split GGUF (`llama-gguf-split`: NAME-00001-of-0000N.gguf and its N - 1 siblings, which llama.cpp
-maps one by one) is streamed as one: its offsets here are global, file k's byte b at (k << SHARD_SHIFT) + b.
+A split GGUF (NAME-00001-of-0000N.gguf and its siblings, which llama.cpp maps one by one) is streamed as
+one model: offsets here are `specexec.gguf_files`'s global ones, which name the file too.
 
 Neither way can change a result: a unit's addresses hold the file's bytes at all times, mapped from the
 file (read again if touched again) or from a copy read whole. The file is checked before every pass: one
@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import math
 import mmap
 import os
-import struct
 import sys
 import threading
 import time
@@ -46,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from specexec.backends.llamacpp.library import LlamaCppError, tensor_name
+from specexec.gguf_files import file_tensor_spans, shards, split, tensor_spans
 from specexec.sizes import format_bytes
 
 PAGE = mmap.PAGESIZE
@@ -57,8 +56,6 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 EMBEDDING = "token_embd.weight"
 READ_CHUNK = 2**22  # bytes per readahead request (4 MiB, within the kernel's usual limits)
 LAYER_OUTPUT = b"l_out-"  # llama.cpp names each layer's output "l_out-<layer>" (llama-graph.cpp, `cb`)
-SHARD_SHIFT = 48  # a split GGUF's file k holds the global offsets from k << SHARD_SHIFT on
-SPLIT_COUNT = "split.count"  # the key of a split GGUF's first file that says how many files it has
 
 # This process's C library (`plan` refuses systems other than Linux before any call).
 _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
@@ -135,114 +132,6 @@ def layout(gguf: Path) -> tuple[list[Unit], tuple[int, int]]:
     ]
     units.sort(key=lambda u: (u.layer is None, u.layer or 0))
     return units, embedding
-
-
-def tensor_spans(gguf: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's bytes in the file (absolute offsets, the ones llama.cpp maps), from the GGUF header;
-    for a split GGUF, in all of its files (global offsets, `shards`)."""
-    spans = {}
-    for k, path in enumerate(shards(gguf)):
-        origin = k << SHARD_SHIFT
-        spans.update({name: (origin + a, origin + b) for name, (a, b) in _header(path)[0].items()})
-    return spans
-
-
-def shards(gguf: Path) -> tuple[Path, ...]:
-    """The files of the GGUF `gguf`: itself, or all of a split GGUF's given its first, named as llama.cpp
-    looks for them (`llama_split_path`: NAME-00002-of-00003.gguf beside NAME-00001-of-00003.gguf)."""
-    count = _header(gguf)[1]
-    if count <= 1:
-        return (gguf,)
-    first = f"-00001-of-{count:05d}.gguf"
-    if not gguf.name.endswith(first):
-        raise LlamaCppError(f"{gguf} is part of a split GGUF of {count} files: give its first, NAME{first}")
-    prefix = gguf.name[: -len(first)]
-    paths = tuple(gguf.with_name(f"{prefix}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1))
-    for part, path in enumerate(paths[1:], start=2):
-        if not path.is_file():
-            raise LlamaCppError(f"{path.name}, part {part} of the split GGUF {gguf.name}, is missing")
-    return paths
-
-
-def file_bytes(gguf: Path) -> int:
-    """The bytes of the GGUF's files (`shards`)."""
-    return sum(path.stat().st_size for path in shards(gguf))
-
-
-def _header(gguf: Path) -> tuple[dict[str, tuple[int, int]], int]:
-    """One GGUF file's tensors' bytes (offsets in the file) and its split count (1 if not split).
-
-    Only the header is parsed, the metadata values skipped: `gguf.GGUFReader` decodes every value (the
-    vocabulary's 150,000 strings among them), which took 6 s for the 1.5B target on every streamed load."""
-    try:
-        with open(gguf, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            if data[:4] != b"GGUF":
-                raise LlamaCppError(f"{gguf} is not a GGUF file")
-            return _tensor_spans(data)
-    except (KeyError, ValueError, struct.error) as error:  # UnicodeDecodeError is a ValueError
-        raise LlamaCppError(f"{gguf} is not a readable GGUF file ({type(error).__name__}: {error})") from None
-
-
-def split(offset: int) -> tuple[int, int]:
-    """(file index, offset in that file) of a global offset (`SHARD_SHIFT`)."""
-    return offset >> SHARD_SHIFT, offset & ((1 << SHARD_SHIFT) - 1)
-
-
-def _tensor_spans(data: mmap.mmap) -> tuple[dict[str, tuple[int, int]], int]:
-    from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
-
-    fixed = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-             GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1,
-             GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}  # fmt: skip
-    n_tensors, n_values = struct.unpack_from("<QQ", data, 8)  # after the magic and the version
-    at = 24
-
-    def take(fmt: str):
-        nonlocal at
-        values = struct.unpack_from(fmt, data, at)
-        at += struct.calcsize(fmt)
-        return values[0] if len(values) == 1 else values
-
-    def text() -> str:
-        nonlocal at
-        n = take("<Q")
-        at += n
-        return bytes(data[at - n : at]).decode()
-
-    def skip(kind: int) -> None:
-        nonlocal at
-        if kind == GGUFValueType.STRING:
-            n = take("<Q")  # read before `at` is: `at += take(...)` would add to the old `at`
-            at += n
-        elif kind == GGUFValueType.ARRAY:
-            item, count = take("<IQ")
-            if item in fixed:
-                at += fixed[item] * count
-            else:
-                for _ in range(count):
-                    skip(item)
-        else:
-            at += fixed[kind]
-
-    alignment, count = GGUF_DEFAULT_ALIGNMENT, 1
-    for _ in range(n_values):
-        key, kind = text(), take("<I")
-        if key == "general.alignment":
-            alignment = take("<I")
-        elif key == SPLIT_COUNT:
-            count = take("<H")  # uint16
-        else:
-            skip(kind)
-    infos = []
-    for _ in range(n_tensors):
-        name, dims = text(), take("<I")
-        shape = struct.unpack_from(f"<{dims}Q", data, at)
-        at += 8 * dims
-        kind, offset = take("<IQ")
-        block, size = GGML_QUANT_SIZES[kind]
-        infos.append((name, offset, math.prod(shape) // block * size))
-    start = -(-at // alignment) * alignment  # the tensor data begins at the next alignment boundary
-    return {name: (start + offset, start + offset + n) for name, offset, n in infos}, count
 
 
 def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -324,7 +213,9 @@ def mapping_bases(gguf: Path, before: set[str]) -> tuple[int, ...]:
         if found:
             start, _, offset = found[0]
             bases.append(start - offset)
-        elif not _header(path)[0]:  # metadata only (`llama-gguf-split --no-tensor-first-split`): unused
+        elif not file_tensor_spans(
+            path
+        ):  # metadata only (`llama-gguf-split --no-tensor-first-split`): unused
             bases.append(0)
         else:
             raise LlamaCppError(f"llama.cpp did not map {path}; it cannot be streamed")
