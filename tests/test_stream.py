@@ -25,7 +25,7 @@ from tiny_gguf import on_storage, synced, write_random_gguf
 
 import specexec
 from specexec.budget import CostModel
-from specexec.gguf_files import GGUFFileError, shards, split, tensor_spans
+from specexec.gguf_files import GGUFFileError, shards, split
 from specexec.sizes import format_bytes
 from specexec.storage import read_bytes
 
@@ -135,27 +135,6 @@ def test_the_plan_covers_every_tensor_once_and_fits_its_ram(gguf: Path) -> None:
     assert resident[:-1] == stream.spread(layers, len(resident) - 1), resident
     assert stream.spread(layers, 3) == ["blk.1", "blk.4", "blk.6"] and stream.spread(layers, 8) == layers
     assert stream.spread(layers, 1) == ["blk.4"]
-
-
-def test_tensor_spans_read_from_the_header_equal_the_gguf_readers(
-    gguf: Path,
-    tokenized_gguf: Path,  # noqa: F811 (a fixture; its vocabulary's string arrays are skipped)
-    tmp_path: Path,
-) -> None:
-    from gguf import GGUFReader
-
-    for path in (gguf, tokenized_gguf):
-        tensors = GGUFReader(path).tensors
-        reader = {t.name: (int(t.data_offset), int(t.data_offset + t.n_bytes)) for t in tensors}
-        assert tensor_spans(path) == reader, path
-    other = tmp_path / "not.gguf"
-    other.write_bytes(b"PK\x03\x04" + bytes(64))
-    with pytest.raises(GGUFFileError, match="is not a GGUF file"):
-        tensor_spans(other)
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(tokenized_gguf.read_bytes()[:200])  # the file ends inside its metadata
-    with pytest.raises(GGUFFileError, match="is not a readable GGUF file"):
-        tensor_spans(cut)
 
 
 def test_a_size_below_the_minimum_is_a_one_line_error_naming_it(gguf: Path) -> None:
