@@ -1236,3 +1236,13 @@ def test_a_learnt_file_that_cannot_be_written_costs_the_request_nothing(pair, to
             r = http.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
     assert "could not save what the auto budget learnt" in caplog.text
+
+
+def test_the_served_model_is_named_after_its_source():
+    from specexec.server.cli import _model_id
+
+    assert _model_id("qwen2.5-coder-1.5b") == "qwen2.5-coder-1.5b"
+    assert _model_id("/models/Qwen2.5-72B-Instruct-Q4_K_M.gguf") == "Qwen2.5-72B-Instruct-Q4_K_M"
+    # A split GGUF is given by its first file; clients call it by the name its files share.
+    assert _model_id("/models/qwen2.5-72b-q4_k_m-00001-of-00012.gguf") == "qwen2.5-72b-q4_k_m"
+    assert _model_id("/models/my-hf-folder/") == "my-hf-folder"

@@ -10,6 +10,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -148,9 +149,12 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _model_id(source: str) -> str:
-    """What clients call the model: a packaged name as is, a folder's or a .gguf file's own name."""
+    """What clients call the model: a packaged name as is, a folder's or a .gguf file's own name (a split
+    GGUF's without its first file's -00001-of-0000N)."""
     path = Path(source.rstrip("/\\"))
-    return path.stem if path.suffix.lower() == ".gguf" else (path.name or source)
+    if path.suffix.lower() == ".gguf":
+        return re.sub(r"-00001-of-\d{5}$", "", path.stem)
+    return path.name or source
 
 
 def _bind(host: str, port: int) -> socket.socket:
