@@ -1,6 +1,6 @@
-"""A GGUF's files and its tensors' bytes, read from the headers (`specexec.gguf_files`): one file or a
-split GGUF, against the `gguf` package's reader; the errors of a file that is not a GGUF or a split GGUF
-given wrongly. No llama.cpp needed."""
+"""A GGUF's files and its tensors' bytes, read from the headers (`specexec.backends.gguf_files`): one
+file or a split GGUF, against the `gguf` package's reader; the errors of a file that is not a GGUF or a
+split GGUF given wrongly. No llama.cpp needed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from test_models import write_tiny_gguf
 from tiny_gguf import write_random_gguf
 
-from specexec.gguf_files import GGUFFileError, file_bytes, shards, split, tensor_spans
+from specexec.backends.gguf_files import GGUFFileError, file_bytes, shards, split, tensor_spans
 
 
 def reader_spans(path: Path, k: int = 0) -> dict[str, tuple[int, int]]:

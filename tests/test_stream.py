@@ -24,8 +24,8 @@ from test_llamacpp import FLAT, METHODS, tokenized_gguf  # noqa: F401 (a fixture
 from tiny_gguf import on_storage, synced, write_random_gguf
 
 import specexec
+from specexec.backends.gguf_files import GGUFFileError, shards, split
 from specexec.budget import CostModel
-from specexec.gguf_files import GGUFFileError, shards, split
 from specexec.sizes import format_bytes
 from specexec.storage import read_bytes
 

@@ -33,8 +33,8 @@ from transformers import (  # noqa: E402
 from specexec import backends  # noqa: E402
 from specexec.backends import as_model  # noqa: E402
 from specexec.backends.base import LoadOptions, quant_option  # noqa: E402
+from specexec.backends.gguf_files import GGUFFileError, shards  # noqa: E402
 from specexec.draft_vocab import check_draft_vocab  # noqa: E402
-from specexec.gguf_files import GGUFFileError, shards  # noqa: E402
 from specexec.paths import cache_root  # noqa: E402
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"

@@ -13,7 +13,8 @@ generation's KV cache on it). Each runtime is a subpackage exposing:
   ("none": its weights as given), beside a target streamed from disk (`--ram`) or not.
 
 A model that has its own `make_runner` is a `Model` already; a PyTorch module is adapted by the torch
-backend (`as_model`). Nothing above this package names a runtime.
+backend (`as_model`). Nothing above this package names a runtime. `gguf_files` reads a GGUF's files (a
+split GGUF's too) for any runtime and for `specexec.models`.
 """
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from specexec.backends.gguf_files import file_bytes
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import COPY_FILE
 from specexec.backends.llamacpp.library import INSTALL_HINT
-from specexec.gguf_files import file_bytes
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
 

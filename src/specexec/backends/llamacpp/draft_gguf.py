@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specexec.backends.gguf_files import shards
 from specexec.backends.llamacpp.library import LlamaCppError, llama_cpp_library
 from specexec.draft_vocab import kept_token_ids
-from specexec.gguf_files import shards
 from specexec.paths import cache_root
 
 # What `--draft-vocab auto` keeps for a llama.cpp draft: the packaged 0.5B draft's head is 37% of the bytes

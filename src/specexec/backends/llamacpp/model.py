@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from specexec.backends.base import WeightsMemory
+from specexec.backends.gguf_files import shards
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import derived_draft
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
-from specexec.gguf_files import shards
 
 if TYPE_CHECKING:
     from specexec.backends.llamacpp.runner import LlamaCppRunner

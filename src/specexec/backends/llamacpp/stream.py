@@ -21,7 +21,7 @@ it. `Streamer` decides instead, in units of one layer (`blk.N`) plus the output 
   touched are dropped after it.
 
 A split GGUF (NAME-00001-of-0000N.gguf and its siblings, which llama.cpp maps one by one) is streamed as
-one model: offsets here are `specexec.gguf_files`'s global ones, which name the file too.
+one model: offsets here are `specexec.backends.gguf_files`'s global ones, which name the file too.
 
 Neither way can change a result: a unit's addresses hold the file's bytes at all times, mapped from the
 file (read again if touched again) or from a copy read whole. The file is checked before every pass: one
@@ -43,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specexec.backends.gguf_files import file_tensor_spans, shards, split, tensor_spans
 from specexec.backends.llamacpp.library import LlamaCppError, tensor_name
-from specexec.gguf_files import file_tensor_spans, shards, split, tensor_spans
 from specexec.sizes import format_bytes
 
 PAGE = mmap.PAGESIZE
