@@ -500,6 +500,20 @@ def test_a_reduced_head_scores_its_rows_as_the_full_head_does(reduced, arch: str
     assert torch.equal(rows[0], rows[1])
 
 
+def test_a_reduced_head_of_a_split_gguf_is_the_one_files(reduced, tmp_path: Path) -> None:
+    """The copy of a split GGUF (a first file of metadata only here) takes its tensors from every file and
+    is one file: the same logits as the copy of the model in one file."""
+    full, small = reduced("qwen2", "q8_0")
+    first = write_random_gguf(
+        tmp_path / "split.gguf", "qwen2", "q8_0", split_max_tensors=10, metadata_first=True
+    )
+    split = LlamaCppModel(first, threads=1, vocab=40, always=[100])
+    assert torch.equal(split.head, small.head)
+    tokens = torch.tensor([*PROMPT, 120, 99])
+    expected = LlamaCppRunner(small, 64).extend(tokens, 0)  # (T, V)
+    assert torch.equal(LlamaCppRunner(split, 64).extend(tokens, 0), expected)
+
+
 def test_a_reduced_head_is_written_once(reduced, monkeypatch) -> None:
     from specexec.backends.llamacpp import draft_gguf
 

@@ -200,12 +200,6 @@ def test_a_split_gguf_given_by_another_file_or_missing_one_is_a_one_line_error(g
     assert str(error.value) == (
         f"{second} is part of a split GGUF of 3 files: give its first, NAME-00001-of-00003.gguf"
     )
-    with pytest.raises(LlamaCppError) as error:
-        LlamaCppModel(first, threads=1, vocab=64)
-    assert str(error.value) == (
-        "parts-00001-of-00003.gguf is a split GGUF: a draft with a smaller head (--draft-vocab) needs it in "
-        "one file (llama-gguf-split --merge), or --draft-vocab 0"
-    )
     second.rename(second.with_suffix(".moved"))
     with pytest.raises(GGUFFileError) as error:
         LlamaCppModel(first, threads=1)

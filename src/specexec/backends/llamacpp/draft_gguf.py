@@ -50,17 +50,20 @@ FILE_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_
 
 
 def write_reduced_head_gguf(source: Path, size: int, always: Iterable[int], dest: Path) -> None:
-    """Write into the folder `dest` the GGUF `source` with a head of `kept_token_ids(size, ...)` only.
+    """Write into the folder `dest` the GGUF `source` (every file of a split one) with a head of
+    `kept_token_ids(size, ...)` only.
 
-    `model.gguf` keeps every tensor but the output layer (the kept rows) and the token embedding (cut
-    to the same rows: llama.cpp sizes both by its vocabulary, which becomes the kept tokens, renumbered
-    0..n-1); `embedding.npy` holds the full token embedding as stored (quantized rows), for inputs fed as
-    embeddings; `head.json` the kept ids, the full vocabulary and the embedding's GGML type.
+    `model.gguf`, one file, keeps every tensor but the output layer (the kept rows) and the token
+    embedding (cut to the same rows: llama.cpp sizes both by its vocabulary, which becomes the kept
+    tokens, renumbered 0..n-1); `embedding.npy` holds the full token embedding as stored (quantized
+    rows), for inputs fed as embeddings; `head.json` the kept ids, the full vocabulary and the
+    embedding's GGML type.
     """
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    reader = GGUFReader(source)
-    tensors = {t.name: t for t in reader.tensors}
+    readers = [GGUFReader(path) for path in shards(source)]
+    reader = readers[0]  # the metadata
+    tensors = {t.name: t for part in readers for t in part.tensors}
     embedding = tensors["token_embd.weight"]
     vocab = int(embedding.shape[1])  # GGML order: (n_embd, n_vocab)
     kept = kept_token_ids(size, vocab, always)
@@ -68,8 +71,8 @@ def write_reduced_head_gguf(source: Path, size: int, always: Iterable[int], dest
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(dest / COPY_FILE, arch)
     for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
+        if name.startswith(("GGUF.", "split.")) or name == "general.architecture":
+            continue  # the writer's own, or a split GGUF's (the copy is one file)
         value, kind = f.contents(), f.types[0]
         if name == f"{arch}.vocab_size":
             value = len(kept)
@@ -112,11 +115,6 @@ def derived_draft(gguf: Path, vocab: int, always: Iterable[int], quant: str, thr
     time under the cache root; `gguf` itself where neither asks for a copy."""
     if not vocab and quant == "none":
         return gguf
-    if vocab and len(shards(gguf)) > 1:  # the copy is written from the first file's tensors
-        raise LlamaCppError(
-            f"{gguf.name} is a split GGUF: a draft with a smaller head (--draft-vocab) needs it in one file "
-            "(llama-gguf-split --merge), or --draft-vocab 0"
-        )
     always = sorted(set(always))
     stat = gguf.stat()
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{vocab}:{always}:{quant}"
