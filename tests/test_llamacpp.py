@@ -500,9 +500,9 @@ def test_a_reduced_head_scores_its_rows_as_the_full_head_does(reduced, arch: str
     assert torch.equal(rows[0], rows[1])
 
 
-def test_a_reduced_head_of_a_split_gguf_is_the_one_files(reduced, tmp_path: Path) -> None:
-    """The copy of a split GGUF (a first file of metadata only here) takes its tensors from every file and
-    is one file: the same logits as the copy of the model in one file."""
+def test_a_split_ggufs_draft_copies_are_the_one_files(reduced, tmp_path: Path) -> None:
+    """The copies of a split GGUF (a first file of metadata only here) take their tensors from every file
+    and are one file: the same logits as the copies of the model in one file."""
     full, small = reduced("qwen2", "q8_0")
     first = write_random_gguf(
         tmp_path / "split.gguf", "qwen2", "q8_0", split_max_tensors=10, metadata_first=True
@@ -512,6 +512,10 @@ def test_a_reduced_head_of_a_split_gguf_is_the_one_files(reduced, tmp_path: Path
     tokens = torch.tensor([*PROMPT, 120, 99])
     expected = LlamaCppRunner(small, 64).extend(tokens, 0)  # (T, V)
     assert torch.equal(LlamaCppRunner(split, 64).extend(tokens, 0), expected)
+    # A requantized copy (llama.cpp's quantizer reads every file and writes one) too.
+    requantized = [LlamaCppModel(path, threads=1, quant="q4_0") for path in (full.gguf, first)]
+    one, parts = (LlamaCppRunner(model, 64).extend(tokens, 0) for model in requantized)
+    assert torch.equal(parts, one)
 
 
 def test_a_reduced_head_is_written_once(reduced, monkeypatch) -> None:
