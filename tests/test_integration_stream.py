@@ -12,14 +12,7 @@ from test_integration_llamacpp import assert_same_up_to_near_ties
 from tiny_gguf import on_storage
 
 import specexec
-from specexec.models import (
-    DEFAULT_DRAFT,
-    DEFAULT_TARGET,
-    eos_token_ids,
-    gguf_file,
-    load_model,
-    load_tokenizer,
-)
+from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, eos_token_ids, load_model, load_tokenizer
 from specexec.prompts import load_prompts
 from specexec.storage import read_bytes
 
@@ -40,7 +33,7 @@ def logits_of(model, prompt: list[int]) -> torch.Tensor:
 
 
 def test_the_real_target_streamed_keeps_its_logits_and_its_greedy_path() -> None:
-    if not on_storage(gguf_file(DEFAULT_TARGET)):
+    if not on_storage(specexec.models.gguf_file(DEFAULT_TARGET)):
         pytest.skip("the model cache is in memory (tmpfs): nothing can be streamed from it")
     tokenizer = load_tokenizer(DEFAULT_TARGET)
     prompt = load_prompts("humaneval", tokenizer, n=1)[0].input_ids
