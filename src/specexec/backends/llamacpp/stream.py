@@ -208,17 +208,16 @@ def mapping_bases(gguf: Path, before: set[str]) -> tuple[int, ...]:
     file's byte 0 (it maps from the tensor data's page on), found in /proc/self/maps among the lines not
     in `before` (the maps read before loading: the same file may be mapped twice)."""
     bases = []
+    new = mapped() - before
     for path in shards(gguf):
-        found = _mappings_of(path, mapped() - before)
+        found = _mappings_of(path, new)
         if found:
             start, _, offset = found[0]
             bases.append(start - offset)
-        elif not file_tensor_spans(
-            path
-        ):  # metadata only (`llama-gguf-split --no-tensor-first-split`): unused
-            bases.append(0)
-        else:
+        elif file_tensor_spans(path):
             raise LlamaCppError(f"llama.cpp did not map {path}; it cannot be streamed")
+        else:  # metadata only (`llama-gguf-split --no-tensor-first-split`): never mapped, never used
+            bases.append(0)
     return tuple(bases)
 
 
@@ -519,10 +518,11 @@ class Streamer:
         begin = time.perf_counter()
         try:
             if fd is not None:
-                offset, last = split(start)[1], split(end)[1]
+                first, last = split(start)[1], split(end)[1]
+                offset = first
                 while offset < last and (n := os.preadv(fd, [block], offset)) > 0:
                     offset += n
-                return (offset - split(start)[1]) / max(time.perf_counter() - begin, 1e-9)
+                return (offset - first) / max(time.perf_counter() - begin, 1e-9)
         except OSError:
             pass
         finally:
