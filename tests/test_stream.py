@@ -502,6 +502,68 @@ def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:
     assert re.search(r"plus \d+ MiB of KV caches and buffers", line), line  # apart from --ram
 
 
+@pytest.mark.parametrize("room", ["plenty", "none", "plenty without --ram", "none without --ram"])
+def test_ram_auto_sizes_the_target_from_the_memory_available(
+    tokenized_gguf: Path,  # noqa: F811
+    room: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys,
+) -> None:
+    """`--ram auto` gives the target what the memory available leaves after the draft and the reserve:
+    all of it where it fits, or nothing (--ram 0) where that is below the least it streams in; without
+    --ram, a target that does not fit gets a line that says so."""
+    from specexec import host_memory
+    from specexec.cli import main
+
+    draft = str(shutil.copy(tokenized_gguf, tokenized_gguf.with_name("draft.gguf")))  # mapped apart
+    synced(tokenized_gguf)
+    target_bytes = tokenized_gguf.stat().st_size
+    left = 2 * target_bytes if room.startswith("plenty") else 0
+    available = Path(draft).stat().st_size + host_memory.RUNTIME_RESERVE + left
+    monkeypatch.setattr(host_memory, "available_memory", lambda: available)
+    ram = [] if room.endswith("without --ram") else ["--ram", "auto"]
+    args = ["generate", "--target", str(tokenized_gguf), "--draft", draft, "--threads", "1", *ram]
+    assert main([*args, "--method", "specexec", "--budget", "4", "--max-new-tokens", "4", "ab"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    stats = lines[-1]
+    if room == "plenty":
+        assert lines[0] == (
+            f"[--ram auto: the target's {format_bytes(target_bytes)} fit in the {format_bytes(available)} "
+            "available: nothing streams]"
+        )
+        assert "streamed" not in stats, stats
+    elif room == "none":
+        assert lines[0] == (
+            f"[--ram auto: {format_bytes(available)} available is too little to keep any of the target "
+            "resident: --ram 0]"
+        )
+        assert "weights 0 MiB resident" in stats, stats
+    elif room == "plenty without --ram":
+        assert not any("memory" in line or "--ram" in line for line in lines), lines
+    else:
+        assert lines[0].startswith(f"[the target's {format_bytes(target_bytes)} of weights do not fit in")
+        assert lines[0].endswith("--ram auto keeps what fits resident and streams the rest]")
+        assert "streamed" not in stats, stats  # said, not done: --ram is the user's choice
+
+
+def test_ram_auto_keeps_resident_what_the_memory_left_holds(
+    gguf: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Between the two: the memory left after the reserve is the SIZE, and the plan keeps layers of it."""
+    from specexec import host_memory
+    from specexec.loading import PairSpec, resolve_ram
+
+    left = half(gguf)
+    monkeypatch.setattr(host_memory, "available_memory", lambda: host_memory.RUNTIME_RESERVE + left)
+    spec = resolve_ram(PairSpec(str(gguf), None, backend="llamacpp", ram="auto"))
+    assert spec.ram == left and stream.plan(gguf, left).resident_bytes > 0
+    assert capsys.readouterr().err == (
+        f"[--ram auto: {format_bytes(left)} for the target's weights "
+        f"({format_bytes(host_memory.RUNTIME_RESERVE + left)} available, less 1.0 GiB for caches and "
+        "buffers)]\n"
+    )
+
+
 def test_bench_streams_every_llamacpp_method_and_records_what_it_read(tokenized_gguf: Path) -> None:  # noqa: F811
     import json
 

@@ -53,8 +53,8 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         default=None,
         metavar="SIZE",
         help="RAM the target's weights may use, e.g. 512MiB: layers that fit stay resident, the rest is "
-        "read from disk on every pass (0: stream all it can). For a GGUF bigger than RAM, or to leave "
-        "RAM to other programs",
+        "read from disk on every pass (0: stream all it can; auto: the memory available less the draft "
+        "and 1 GiB). For a GGUF bigger than RAM, or to leave RAM to other programs",
     )
 
 
@@ -168,8 +168,10 @@ def _add_offload_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def ram_size(text: str) -> int:
-    """--ram's SIZE in bytes, 0 allowed."""
+def ram_size(text: str) -> int | str:
+    """--ram's SIZE in bytes, 0 allowed, or "auto" (`loading.resolve_ram`)."""
+    if text.strip() == "auto":
+        return "auto"
     try:
         return parse_size(text, zero=True)
     except SizeError as err:

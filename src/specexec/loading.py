@@ -9,7 +9,7 @@ Importing this module loads neither torch nor transformers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,7 +38,8 @@ class PairSpec:
     gpu_memory: str | None = None
     quant_offload: str | None = None
     simulate_offload_gbps: float | None = None
-    ram: int | None = None  # bytes of RAM the target's weights may use (llama.cpp streams the rest)
+    # Bytes of RAM the target's weights may use (llama.cpp streams the rest); "auto": `resolve_ram`
+    ram: int | str | None = None
 
     @property
     def offloads(self) -> bool:
@@ -86,6 +87,7 @@ def load_pair(spec: PairSpec) -> LoadedPair:
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    spec = resolve_ram(spec)
     backend = target_backend(spec)
     tokenizer = load_tokenizer(spec.target)
     draft = load_draft(spec, tokenizer) if spec.draft is not None else None
@@ -102,6 +104,61 @@ def load_pair(spec: PairSpec) -> LoadedPair:
             draft.model = draft.model.to(target.device)  # the draft stays resident on the GPU
         pair.draft, pair.draft_backend, pair.draft_vocab = draft.model, draft.backend, draft.vocab
     return pair
+
+
+def resolve_ram(spec: PairSpec) -> PairSpec:
+    """`spec` with `ram` "auto" in bytes (`host_memory.auto_ram`: the memory available now, less the
+    draft's weights and a reserve; None where the target fits), said in a line on stderr. Without --ram,
+    a line says when a target that could stream does not fit: left to the page cache, each pass would
+    read it all again."""
+    import sys
+
+    from specexec.backends import backend as runtime
+    from specexec.backends.base import BackendError
+    from specexec.backends.gguf_files import file_bytes
+    from specexec.host_memory import RUNTIME_RESERVE, auto_ram, available_memory
+    from specexec.models import ModelSourceError, gguf_file, weights_bytes
+    from specexec.sizes import format_bytes as size
+
+    if spec.ram not in (None, "auto"):
+        return spec
+    backend = runtime(target_backend(spec))
+    if "ram" not in backend.OPTIONS:
+        return spec
+    available = available_memory()
+    if available is None:
+        if spec.ram is None:
+            return spec
+        raise BackendError("--ram auto reads the memory available from /proc/meminfo: give a SIZE here")
+    try:
+        gguf = gguf_file(spec.target)
+        target, draft = file_bytes(gguf), weights_bytes(spec.draft) if spec.draft is not None else 0
+        ram = auto_ram(target, draft, available, backend.least_ram(gguf))
+    except (ModelSourceError, BackendError, OSError):
+        if spec.ram is None:
+            return spec  # loading the models says what is wrong with them
+        raise
+    if spec.ram is None:
+        if ram is not None:
+            print(
+                f"[the target's {size(target)} of weights do not fit in the {size(available)} of memory "
+                "available: left to the page cache, every pass reads them all again; --ram auto keeps "
+                "what fits resident and streams the rest]",
+                file=sys.stderr,
+            )
+        return spec
+    if ram is None:
+        said = f"the target's {size(target)} fit in the {size(available)} available: nothing streams"
+    elif ram:
+        drafts = f"the draft's {size(draft)} and " if draft else ""
+        said = (
+            f"{size(ram)} for the target's weights ({size(available)} available, less {drafts}"
+            f"{size(RUNTIME_RESERVE)} for caches and buffers)"
+        )
+    else:
+        said = f"{size(available)} available is too little to keep any of the target resident: --ram 0"
+    print(f"[--ram auto: {said}]", file=sys.stderr)
+    return replace(spec, ram=ram)
 
 
 def load_draft(spec: PairSpec, target_tokenizer: PreTrainedTokenizerBase) -> LoadedDraft:

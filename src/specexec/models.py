@@ -241,6 +241,14 @@ def gguf_file(source: str) -> Path:
     raise ModelSourceError(f"{source!r} is not a GGUF model: pass a .gguf file or one of {_default_names()}")
 
 
+def weights_bytes(source: str) -> int:
+    """The bytes of a model source's weights on disk: a GGUF's files, or a folder's safetensors."""
+    gguf = _gguf_cache(source)
+    if gguf is not None:
+        return sum(path.stat().st_size for path in _files(gguf[0]))
+    return sum(path.stat().st_size for path in _local_folder(source).glob("*.safetensors"))
+
+
 def _gguf_cache(source: str) -> tuple[Path, Path] | None:
     """(GGUF file, its conversion folder) for a GGUF source (assembled first if packaged), else None."""
     if source in _PACKAGED:

@@ -11,6 +11,7 @@ generation's KV cache on it). Each runtime is a subpackage exposing:
 - `default_draft_vocab(vocab_size: int) -> int`: the ids `--draft-vocab auto` keeps (0: the whole head);
 - `default_draft_quant(streamed_target: bool) -> str`: a draft's quantization where none is asked for
   ("none": its weights as given), beside a target streamed from disk (`--ram`) or not.
+- with "ram" in OPTIONS, `least_ram(path: Path) -> int`: the least RAM above 0 a model streams in.
 
 A model that has its own `make_runner` is a `Model` already; a PyTorch module is adapted by the torch
 backend (`as_model`). Nothing above this package names a runtime. `gguf_files` reads a GGUF's files (a

@@ -23,7 +23,15 @@ from specexec.cli_args import (
     int_at_least,
     pair_spec,
 )
-from specexec.loading import PairSpec, draft_backend, draft_quant, draft_vocab, load_draft, load_pair
+from specexec.loading import (
+    PairSpec,
+    draft_backend,
+    draft_quant,
+    draft_vocab,
+    load_draft,
+    load_pair,
+    resolve_ram,
+)
 
 if TYPE_CHECKING:
     from specexec.bench.core import BenchConfig
@@ -221,6 +229,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
     tokenizer = load_tokenizer(args.target)
     need_draft = any(method in DRAFT_METHODS for method in args.methods)
     spec = pair_spec(args, with_draft=need_draft, quant=args.quant[0], draft_vocab=0)  # resolved next
+    if spec.ram == "auto":  # once, for every method (load_pair says when a target without --ram won't fit)
+        spec = resolve_ram(spec)
     vocabs = _draft_vocabs(spec, args.draft_vocab, len(tokenizer)) if need_draft else [0]
     configs = _configs(args, vocabs)
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
@@ -321,7 +331,7 @@ def _llamacpp_runners(
         from specexec.bench.llamacpp import LlamaCpp
 
         context = longest_prompt + args.max_new_tokens + 8
-        llamacpp = LlamaCpp(gguf_file(args.target), context, args.threads, ram=args.ram)
+        llamacpp = LlamaCpp(gguf_file(args.target), context, args.threads, ram=spec.ram)
     if "llamacpp-spec" in args.methods:
         from specexec.bench.llamacpp import LlamaCppSpeculative
 
@@ -333,7 +343,7 @@ def _llamacpp_runners(
 
             draft = derived_draft(draft, 0, (), quant, args.threads)
         target = gguf_file(args.target)
-        llamacpp_spec = LlamaCppSpeculative(target, draft, context, args.threads, ram=args.ram)
+        llamacpp_spec = LlamaCppSpeculative(target, draft, context, args.threads, ram=spec.ram)
     return llamacpp, llamacpp_spec
 
 

@@ -41,6 +41,13 @@ def load(path: Path, options: LoadOptions) -> LlamaCppModel:
     )
 
 
+def least_ram(path: Path) -> int:
+    """The least `ram` above 0 that `path` runs streamed with (below it, only 0: everything streams)."""
+    from specexec.backends.llamacpp.stream import least_ram
+
+    return least_ram(path)
+
+
 def default_draft_vocab(vocab_size: int) -> int:
     """`--draft-vocab auto`: DEFAULT_DRAFT_VOCAB ids for a draft with a larger vocabulary."""
     return DEFAULT_DRAFT_VOCAB if vocab_size > DEFAULT_DRAFT_VOCAB else 0

@@ -176,7 +176,7 @@ def plan(gguf: Path, ram: int) -> Plan:
         raise LlamaCppError("--ram needs Linux (it steers the page cache with madvise and fadvise)")
     units, embedding = layout(gguf)
     streamed = {u.name for u in units}
-    minimum = window(units, streamed)
+    minimum = _least(units)
     if 0 < ram < minimum:
         raise LlamaCppError(
             f"--ram {format_bytes(ram)} is below what {gguf.name} needs to run streamed: at least "
@@ -195,6 +195,15 @@ def plan(gguf: Path, ram: int) -> Plan:
             streamed = rest
             break
     return Plan(tuple(units), frozenset(streamed), embedding)
+
+
+def least_ram(gguf: Path) -> int:
+    """The least a `ram` above 0 may be for `gguf`: its read-ahead window with everything streamed."""
+    return _least(layout(gguf)[0])
+
+
+def _least(units: list[Unit]) -> int:
+    return window(units, {u.name for u in units})
 
 
 def spread(items: list[str], count: int) -> list[str]:
