@@ -4,6 +4,7 @@ split GGUF given wrongly. No llama.cpp needed."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from gguf import GGUFReader
 from test_models import write_tiny_gguf
 from tiny_gguf import write_random_gguf
 
-from specexec.backends.gguf_files import GGUFFileError, file_bytes, shards, split, tensor_spans
+from specexec.backends.gguf_files import GGUFFileError, file_bytes, shards, split, tensor_spans, version
 
 
 def reader_spans(path: Path, k: int = 0) -> dict[str, tuple[int, int]]:
@@ -44,6 +45,20 @@ def test_a_split_ggufs_tensors_lie_in_its_files_at_global_offsets(tmp_path: Path
     assert {split(start)[0] for start, _ in spans.values()} == {1, 2, 3}  # the first holds metadata only
     assert split(spans["output.weight"][1]) == (3, reader_spans(files[3])["output.weight"][1])
     assert file_bytes(first) == sum(f.stat().st_size for f in files)
+
+
+def test_a_ggufs_version_changes_with_any_of_its_files(tmp_path: Path) -> None:
+    """What the calibration and the draft's copies are keyed on: a split GGUF's last part rewritten is
+    another model, as a single file rewritten is."""
+    one = write_random_gguf(tmp_path / "one.gguf", "qwen2")
+    stat = one.stat()
+    assert version(one) == f"{stat.st_size}:{stat.st_mtime_ns}"
+    first = write_random_gguf(tmp_path / "m.gguf", "qwen2", split_max_tensors=10, metadata_first=True)
+    before = version(first)
+    assert len(before.split(",")) == 4
+    last = shards(first)[-1]
+    os.utime(last, ns=(last.stat().st_atime_ns, last.stat().st_mtime_ns + 10**9))
+    assert version(first) != before and version(first).split(",")[:3] == before.split(",")[:3]
 
 
 def test_a_file_that_is_not_a_gguf_or_a_split_gguf_given_wrongly_is_a_one_line_error(tmp_path: Path) -> None:

@@ -65,6 +65,12 @@ def file_bytes(gguf: Path) -> int:
     return sum(path.stat().st_size for path in shards(gguf))
 
 
+def version(gguf: Path) -> str:
+    """Each of the GGUF's files' size and modification time ("size:mtime", comma-separated): what caches
+    of anything derived from it are keyed on, so that a changed part of a split GGUF counts too."""
+    return ",".join(f"{stat.st_size}:{stat.st_mtime_ns}" for stat in (path.stat() for path in shards(gguf)))
+
+
 def file_tensor_spans(path: Path) -> dict[str, tuple[int, int]]:
     """One file's tensors' bytes (offsets in that file): none for a split GGUF's file of metadata only."""
     return _header(path)[0]

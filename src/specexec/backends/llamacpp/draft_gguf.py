@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specexec.backends.gguf_files import shards
+from specexec.backends.gguf_files import shards, version
 from specexec.backends.llamacpp.library import LlamaCppError, llama_cpp_library
 from specexec.draft_vocab import kept_token_ids
 from specexec.paths import cache_root
@@ -116,8 +116,7 @@ def derived_draft(gguf: Path, vocab: int, always: Iterable[int], quant: str, thr
     if not vocab and quant == "none":
         return gguf
     always = sorted(set(always))
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{vocab}:{always}:{quant}"
+    key = f"{gguf.resolve()}:{version(gguf)}:{vocab}:{always}:{quant}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     folder = cache_root() / "drafts" / f"{gguf.stem}-{vocab}-{quant}-{digest}"
     if folder.is_dir():

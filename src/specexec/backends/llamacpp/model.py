@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specexec.backends.base import WeightsMemory
-from specexec.backends.gguf_files import shards
+from specexec.backends.gguf_files import shards, version
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import derived_draft
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
@@ -178,14 +178,13 @@ class LlamaCppModel:
     def cost_key(self) -> str:
         """What the calibration cache keys on: file, size, weight type, threads, library version, and
         when streamed, how much and how it is read (past the page cache or through it)."""
-        stat = self.gguf.stat()
         head = f":head{self.head_rows}" if self.head is not None else ""
         streamed = ""
         if self.stream is not None:
             reads = "direct" if self.stream.ring is not None else "cached"
             streamed = f":streamed{self.stream.plan.streamed_bytes}-{reads}"
         return (
-            f"llamacpp:{self.gguf.name}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}{head}{streamed}:"
+            f"llamacpp:{self.gguf.name}:{version(self.gguf)}:{self.weights}{head}{streamed}:"
             f"{self.threads}t:{self.version}"
         )
 
