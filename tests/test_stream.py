@@ -289,6 +289,33 @@ def test_each_pass_reads_the_streamed_bytes_and_no_more(gguf: Path, reads: str) 
     assert read_per_pass(everything) < 0.01 * total_bytes(gguf)
 
 
+@pytest.mark.parametrize("lazily", [True, False])
+def test_loading_a_streamed_target_reads_only_what_stays_resident(
+    gguf: Path, lazily: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp maps a GGUF with MAP_POPULATE and advises WILLNEED (the whole file read at load); a
+    streamed target loads without both (`lazy_load`): the load reads the header and the resident units,
+    which are in RAM before the first pass. The negative control loads the way llama.cpp would."""
+    from specexec.backends.llamacpp import lazy_load
+
+    if not Path("/proc/self/io").exists():
+        pytest.skip("this kernel does not count the bytes a process reads (/proc/self/io)")
+    monkeypatch.setattr(stream.Streamer, "_read_speed", lambda self: 1e9)  # its probe reads streamed units
+    if not lazily:
+        monkeypatch.setattr(lazy_load, "_slots", lambda library: [])
+    stream.evict(gguf)
+    before = read_bytes()
+    model = LlamaCppModel(gguf, threads=1, ram=half(gguf))
+    read = read_bytes() - before
+    plan = model.stream.plan
+    kept, _ = model.stream.residency()
+    assert kept >= plan.resident_bytes - 2 * stream.PAGE * len(plan.units)
+    if lazily:
+        assert read < plan.resident_bytes + 0.1 * plan.streamed_bytes, (read, plan.resident_bytes)
+    else:
+        assert read > total_bytes(gguf) - 0.1 * plan.streamed_bytes, (read, total_bytes(gguf))
+
+
 def test_the_resident_part_stays_and_streamed_pages_do_not_pile_up(gguf: Path, reads: str) -> None:
     model = streamed_model(gguf, reads, threads=2, ram=half(gguf))
     streamer, plan = model.stream, model.stream.plan

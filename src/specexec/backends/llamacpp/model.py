@@ -27,6 +27,7 @@ import json
 import os
 import threading
 from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from specexec.backends.base import WeightsMemory
 from specexec.backends.gguf_files import shards, version
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import derived_draft
+from specexec.backends.llamacpp.lazy_load import libllama_path, unpopulated
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 
 if TYPE_CHECKING:
@@ -102,17 +104,21 @@ class LlamaCppModel:
             self._embedding_type = head["embedding_type"]
         params = llama_cpp.llama_model_default_params()
         plan = stream.plan(self.gguf, ram) if ram is not None else None
-        if plan is not None and plan.streamed:
+        streamed = plan is not None and bool(plan.streamed)
+        if streamed:
             # Weights read straight from llama.cpp's mapping: not repacked into anonymous memory.
             params.use_extra_bufts = False
             params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
             maps = stream.mapped()
-        self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
+        # A streamed target's file is not read whole at load: the streamer reads in what stays resident.
+        with unpopulated(libllama_path()) if streamed else nullcontext():
+            self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
         if not self.handle:
             raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
         self.stream: stream.Streamer | None = None
-        if plan is not None and plan.streamed:
+        if streamed:
             self.stream = stream.Streamer(self.gguf, stream.mapping_bases(self.gguf, maps), plan)
+            self.stream.populate_resident()
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
         self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [
