@@ -379,10 +379,13 @@ def calibrate_on_a_fake_clock(
     seconds: Callable[[int, int], float],
     head_start: Callable[[float, int], float] = None,
     repeats: int = 3,
+    draft_seconds: Callable[[int, int], float] | None = None,
+    target_seen: list[int] | None = None,
 ) -> tuple[CostModel, list[int]]:
     """`calibration.calibrate` (`repeats` rounds) over runners whose k-th forward of n tokens takes
-    `seconds(n, k)` on a fake clock, less `head_start(pause, n)` for the target's forwards after a pause (as
-    a streamed target reads ahead); also returns the sizes forwarded, in order."""
+    `seconds(n, k)` on a fake clock (the draft's `draft_seconds(n, k)` where given), less
+    `head_start(pause, n)` for the target's forwards after a pause (as a streamed target reads ahead);
+    also returns the sizes forwarded, in order (the target's alone into `target_seen`)."""
     from specexec import calibration
 
     now = [0.0]
@@ -396,7 +399,10 @@ def calibrate_on_a_fake_clock(
 
         def extend(self, tokens, logits_to_keep=1) -> None:
             seen.append(tokens.numel())
-            took = seconds(tokens.numel(), len(seen))
+            if self.is_target and target_seen is not None:
+                target_seen.append(tokens.numel())
+            cost = seconds if self.is_target or draft_seconds is None else draft_seconds
+            took = cost(tokens.numel(), len(seen))
             if head_start and self.is_target:
                 took -= head_start(now[0] - self.last_end, tokens.numel())
             now[0] += took
@@ -450,6 +456,31 @@ def test_a_slow_target_is_timed_every_round_at_the_sizes_trees_use(models, monke
         for n in (3, 64):
             assert timed[n] == 2 * repeats, timed  # every round, target and draft
         assert timed[128] == 2 and timed[256] == 1, timed  # once per model (the draft stops at 128)
+
+
+def test_a_very_slow_target_is_timed_once_per_sparse_size(models, monkeypatch) -> None:
+    """A target whose one-token pass takes VERY_SLOW_FORWARD or more (a large model streamed from disk)
+    is timed once per size of SPARSE_SIZES, in the warm-up round: a fifth of the passes a slow one
+    takes, and the same curve from them. The draft beside it is timed as before."""
+    from specexec import calibration
+
+    def calibrated(one: float) -> tuple[CostModel, list[int]]:
+        target: list[int] = []
+        cost, _ = calibrate_on_a_fake_clock(
+            models, monkeypatch, lambda n, k: one + 0.01 * n, draft_seconds=lambda n, k: 0.01 * n,
+            target_seen=target,
+        )  # fmt: skip
+        return cost, target[1:]  # less the context's prefill
+
+    very_slow, very_slow_passes = calibrated(9.0)
+    assert sorted(very_slow.target) == list(calibration.SPARSE_SIZES)
+    for n in (1, 3, 16, 17, 100, 1024):
+        assert very_slow.target_seconds(n) == pytest.approx(9.0 + 0.01 * n, rel=1e-6), n
+    assert len(very_slow_passes) == 1 + 2 * (len(calibration.SPARSE_SIZES) - 1) + 3 * 3
+    slow, slow_passes = calibrated(0.5)
+    assert sorted(slow.target) == sorted(calibration.TARGET_SIZES)  # every size, in rounds
+    assert len(very_slow_passes) < len(slow_passes) / 5, (len(very_slow_passes), len(slow_passes))
+    assert sorted(very_slow.draft) == sorted(slow.draft) == sorted(calibration.DRAFT_SIZES)
 
 
 def test_calibration_times_what_a_pause_before_a_target_pass_saves(models, monkeypatch) -> None:

@@ -37,6 +37,14 @@ REPAY_LIMIT = 20
 # 0.47 s for 1 token, 0.59 s for 2 and 0.38 s for 3, and the auto budget verified trees of 1-3 nodes).
 SLOW_FORWARD = 0.25
 SLOW_REPEATED = 64
+# A model whose one-token forward takes this long (seconds: a large target streamed from disk, say a 70B
+# one reading 28 GB a pass at 3 GB/s: 9 s) is timed once per size, on SPARSE_SIZES, each size in the
+# warm-up round itself, and its overlap from OVERLAP_SAMPLES pairs: 38 passes and 14 pauses as long as
+# one, where the rounds above take 222 passes and about 70 pauses (45 minutes at 9 s a pass, before a
+# first token; tests/test_budget.py counts them). Its passes are long against the jitter of one pass,
+# and it verifies large trees, for which the sizes between these matter less.
+VERY_SLOW_FORWARD = 2.0
+SPARSE_SIZES = (1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 128, 129, 256, 512, 1024)
 # The overlap is a difference of two streamed passes that vary by 20% each: four calibrations of the
 # 1.5B target at --ram 0 on one machine (Zen 4) found 0.082, 0.090, 0.112 and 0.118 s from 3 pairs each,
 # and every size's cost includes it. Pairs are cheap beside the sizes: this many per round of sizes.
@@ -70,7 +78,8 @@ def calibrate(
     A warm-up round goes through each model's sizes in ascending order and stops a model's sizes at the
     first one costing more than REPAY_LIMIT one-token target passes: on a CPU the sizes that cannot pay
     are also the slow ones to time. Then the sizes take turns (one sample of every size, then the next
-    round).
+    round). A very slow model (VERY_SLOW_FORWARD) takes its one sample of each of SPARSE_SIZES in the
+    warm-up round, and no rounds.
 
     The target's `overlap` is timed last: a one-token pass after a pause as long as itself, against one
     right after another, paired, the median of OVERLAP_SAMPLES x `repeats` differences (at least 0). A
@@ -99,9 +108,11 @@ def calibrate(
         """(one-token seconds, n-token seconds / one-token seconds). One token is timed in steady state,
         right after another one-token forward: plain decoding and chain drafting repeat that shape, which
         llama.cpp runs faster (it reuses its compute graph: 71 against 91 ms for the 1.5B target on 2
-        cores). Other sizes are timed after a one-token forward, as trees vary, the target's after a
-        pause as long as that forward (the draft's turn)."""
-        time_forward(name, 1)
+        cores), except for a very slow model, where those milliseconds do not count. Other sizes are
+        timed after a one-token forward, as trees vary, the target's after a pause as long as that
+        forward (the draft's turn)."""
+        if name not in very_slow:
+            time_forward(name, 1)
         one = time_forward(name, 1)
         if n == 1:
             return one, 1.0
@@ -118,6 +129,9 @@ def calibrate(
 
     sizes: dict[str, list[int]] = {"target": [], "draft": []}
     warm: dict[str, float] = {}  # each model's first one-token forward, seconds
+    very_slow: set[str] = set()  # timed in the warm-up round alone
+    ones: dict[str, list[float]] = {name: [] for name in models}
+    ratios: dict[str, dict[int, list[float]]] = {name: {} for name in models}
     with torch.inference_mode():
         for runner in runners.values():
             runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
@@ -125,17 +139,29 @@ def calibrate(
             one_step = None
             for name, candidates in (("target", TARGET_SIZES), ("draft", DRAFT_SIZES)):
                 for n in candidates:
-                    seconds = time_forward(name, n)
+                    if name in very_slow:
+                        if n not in SPARSE_SIZES:
+                            continue
+                        one, ratio = sample(name, n)
+                        ones[name].append(one)
+                        ratios[name][n] = [ratio]
+                        seconds = one * ratio
+                    else:
+                        seconds = time_forward(name, n)
                     bar.update()
                     one_step = one_step or seconds
                     warm.setdefault(name, seconds)
+                    if n == 1 and seconds >= VERY_SLOW_FORWARD:
+                        very_slow.add(name)
+                        ratios[name][1] = [1.0]
                     sizes[name].append(n)
                     if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
                         break
         slow = {name for name, ones_ in warm.items() if ones_ >= SLOW_FORWARD}
-        rounds = _rounds(sizes, repeats, slow)
-        ones: dict[str, list[float]] = {name: [] for name in models}
-        ratios: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes[name]} for name in models}
+        rounds = _rounds({name: sizes[name] for name in models if name not in very_slow}, repeats, slow)
+        for name in models:
+            if name not in very_slow:
+                ratios[name] = {n: [] for n in sizes[name]}
         with tqdm(
             total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
         ) as bar:
@@ -145,7 +171,8 @@ def calibrate(
                     ones[name].append(one)
                     ratios[name][n].append(ratio)
                     bar.update()
-        overlap = statistics.median(time_overlap() for _ in range(OVERLAP_SAMPLES * repeats))
+        pairs = OVERLAP_SAMPLES * (1 if "target" in very_slow else repeats)
+        overlap = statistics.median(time_overlap() for _ in range(pairs))
     overlap = max(0.0, overlap)
     # The target's sizes above one token were timed after a pause: add back what the pause took off.
     added = {"target": overlap, "draft": 0.0}
