@@ -39,7 +39,7 @@ SLOW_FORWARD = 0.25
 SLOW_REPEATED = 64
 # A model whose one-token forward takes this long (seconds: a large target streamed from disk, say a 70B
 # one reading 28 GB a pass at 3 GB/s: 9 s) is timed once per size, on SPARSE_SIZES, each size in the
-# warm-up round itself, and its overlap from OVERLAP_SAMPLES pairs: 38 passes and 14 pauses as long as
+# warm-up round itself, and its overlap from OVERLAP_SAMPLES pairs: 52 passes and 14 pauses as long as
 # one, where the rounds above take 222 passes and about 70 pauses (45 minutes at 9 s a pass, before a
 # first token; tests/test_budget.py counts them). Its passes are long against the jitter of one pass,
 # and it verifies large trees, for which the sizes between these matter less.
@@ -108,11 +108,10 @@ def calibrate(
         """(one-token seconds, n-token seconds / one-token seconds). One token is timed in steady state,
         right after another one-token forward: plain decoding and chain drafting repeat that shape, which
         llama.cpp runs faster (it reuses its compute graph: 71 against 91 ms for the 1.5B target on 2
-        cores), except for a very slow model, where those milliseconds do not count. Other sizes are
-        timed after a one-token forward, as trees vary, the target's after a pause as long as that
-        forward (the draft's turn)."""
-        if name not in very_slow:
-            time_forward(name, 1)
+        cores), and a streamed target's pass right after a long one starts with units read ahead. Other
+        sizes are timed after a one-token forward, as trees vary, the target's after a pause as long as
+        that forward (the draft's turn)."""
+        time_forward(name, 1)
         one = time_forward(name, 1)
         if n == 1:
             return one, 1.0
