@@ -105,7 +105,7 @@ def _protection(address: int) -> int:
     raise OSError(f"no mapping holds {address:#x}")
 
 
-def _slots(library: Path) -> list[tuple[int, ctypes._CFuncPtr]]:
+def _slots(library: Path) -> list[tuple[int, object]]:
     """(address, wrapper) of each of the library's slots for a function in _WRAPPERS, in this process."""
     base = _load_base(library)
     if base is None:
