@@ -158,9 +158,6 @@ def calibrate(
                         break
         slow = {name for name, ones_ in warm.items() if ones_ >= SLOW_FORWARD}
         rounds = _rounds({name: sizes[name] for name in models if name not in very_slow}, repeats, slow)
-        for name in models:
-            if name not in very_slow:
-                ratios[name] = {n: [] for n in sizes[name]}
         with tqdm(
             total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
         ) as bar:
@@ -168,7 +165,7 @@ def calibrate(
                 for name, n in round_:
                     one, ratio = sample(name, n)
                     ones[name].append(one)
-                    ratios[name][n].append(ratio)
+                    ratios[name].setdefault(n, []).append(ratio)
                     bar.update()
         pairs = OVERLAP_SAMPLES * (1 if "target" in very_slow else repeats)
         overlap = statistics.median(time_overlap() for _ in range(pairs))

@@ -115,7 +115,6 @@ def resolve_ram(spec: PairSpec) -> PairSpec:
 
     from specexec.backends import backend as runtime
     from specexec.backends.base import BackendError
-    from specexec.backends.gguf_files import file_bytes
     from specexec.host_memory import RUNTIME_RESERVE, auto_ram, available_memory
     from specexec.models import ModelSourceError, gguf_file, weights_bytes
     from specexec.sizes import format_bytes as size
@@ -131,9 +130,8 @@ def resolve_ram(spec: PairSpec) -> PairSpec:
             return spec
         raise BackendError("--ram auto reads the memory available from /proc/meminfo: give a SIZE here")
     try:
-        gguf = gguf_file(spec.target)
-        target, draft = file_bytes(gguf), weights_bytes(spec.draft) if spec.draft is not None else 0
-        ram = auto_ram(target, draft, available, backend.least_ram(gguf))
+        target, draft = weights_bytes(spec.target), weights_bytes(spec.draft) if spec.draft is not None else 0
+        ram = auto_ram(target, draft, available, backend.least_ram(gguf_file(spec.target)))
     except (ModelSourceError, BackendError, OSError):
         if spec.ram is None:
             return spec  # loading the models says what is wrong with them

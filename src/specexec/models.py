@@ -33,7 +33,7 @@ from transformers import (  # noqa: E402
 from specexec import backends  # noqa: E402
 from specexec.backends import as_model  # noqa: E402
 from specexec.backends.base import LoadOptions, quant_option  # noqa: E402
-from specexec.backends.gguf_files import GGUFFileError, shards  # noqa: E402
+from specexec.backends.gguf_files import GGUFFileError, file_bytes, shards  # noqa: E402
 from specexec.draft_vocab import check_draft_vocab  # noqa: E402
 from specexec.paths import cache_root  # noqa: E402
 
@@ -245,7 +245,10 @@ def weights_bytes(source: str) -> int:
     """The bytes of a model source's weights on disk: a GGUF's files, or a folder's safetensors."""
     gguf = _gguf_cache(source)
     if gguf is not None:
-        return sum(path.stat().st_size for path in _files(gguf[0]))
+        try:
+            return file_bytes(gguf[0])
+        except GGUFFileError as err:
+            raise ModelSourceError(str(err)) from None
     return sum(path.stat().st_size for path in _local_folder(source).glob("*.safetensors"))
 
 
