@@ -265,6 +265,11 @@ def _run(args: argparse.Namespace, command: str) -> int:
         llamacpp_spec=llamacpp_spec,
     )
     last = list(pairs.values())[-1]  # several levels: the report names the last one's backends
+    llama_cpp = None
+    if llamacpp or llamacpp_spec or "llamacpp" in (last.target_backend, last.draft_backend):
+        from specexec.backends.llamacpp.extra_buffers import kernels
+
+        llama_cpp = kernels()
     draft = as_model(main_pair.draft) if main_pair.draft is not None else None
     machine = machine_info(
         dtype=as_model(main_pair.target).weights,
@@ -278,6 +283,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         draft_quant=draft.quantization if draft is not None else None,
         draft_weights=draft.weights if draft is not None else None,
         backend=last.backend_label,
+        llama_cpp=llama_cpp,
     )
     paths = write_outputs(args.out, result, machine)
     _print_rows(result.rows)

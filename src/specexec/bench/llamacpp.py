@@ -31,6 +31,7 @@ import torch
 from specexec.backends.gguf_files import file_bytes
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import COPY_FILE
+from specexec.backends.llamacpp.extra_buffers import amx_in_build, extra_buffers_usable
 from specexec.backends.llamacpp.library import INSTALL_HINT
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
@@ -54,7 +55,8 @@ class LlamaCpp:
             raise BenchError(f"method 'llamacpp' needs llama-cpp-python: {INSTALL_HINT}") from None
         self.gguf = Path(gguf)
         self.threads = threads or torch.get_num_threads()
-        with _unrepacked(self.gguf, enabled=ram is not None):
+        self.extra_buffers = ram is None and extra_buffers_usable()
+        with _unrepacked(self.gguf, enabled=not self.extra_buffers):
             self.llm = llama_cpp.Llama(
                 model_path=str(self.gguf),
                 n_ctx=context,
@@ -114,7 +116,10 @@ class LlamaCpp:
                 break
             step_input = token
         wall = clock(CPU) - start - evicting
-        settings = {"gguf": self.gguf.name, "threads": self.threads, "llama_cpp_python": self.version}
+        settings = {
+            "gguf": self.gguf.name, "threads": self.threads, "llama_cpp_python": self.version,
+            **buffer_settings(self.extra_buffers),
+        }  # fmt: skip
         if self.short:
             settings["evicted_before_every_pass"] = True
             stream.evict(self.gguf)  # its pages mapped would stay in RAM through the other methods' runs
@@ -142,12 +147,15 @@ class LlamaCppSpeculative:
         except ImportError:
             raise BenchError(f"method 'llamacpp-spec' needs llama-cpp-python: {INSTALL_HINT}") from None
         self.threads = threads or torch.get_num_threads()
-        draft_llm = llama_cpp.Llama(
-            model_path=str(draft), n_ctx=context, n_threads=self.threads, n_threads_batch=self.threads,
-            verbose=False,
-        )  # fmt: skip
+        usable = extra_buffers_usable()
+        with _unrepacked(Path(draft), enabled=not usable):
+            draft_llm = llama_cpp.Llama(
+                model_path=str(draft), n_ctx=context, n_threads=self.threads, n_threads_batch=self.threads,
+                verbose=False,
+            )  # fmt: skip
         self.drafter = _GreedyDraft(draft_llm, lambda: llama_cpp.llama_get_logits_ith(draft_llm.ctx, -1))
-        with _unrepacked(Path(target), enabled=ram is not None, ram=ram) as streamer:
+        self.extra_buffers = ram is None and usable  # the target's; the draft's are `usable`
+        with _unrepacked(Path(target), enabled=not self.extra_buffers, ram=ram) as streamer:
             self.llm = llama_cpp.Llama(
                 model_path=str(target),
                 n_ctx=context,
@@ -217,12 +225,19 @@ class LlamaCppSpeculative:
             "draft_length": draft_length,
             "threads": self.threads,
             "llama_cpp_python": self.version,
+            **buffer_settings(self.extra_buffers),
         }
         record = _record(
             input_ids, tokens, eos, prefill, wall, self.target_calls, int(drafter.calls), drafter.seconds,
             settings,
         )  # fmt: skip
         return {**record, "tree_sizes": [], "tree_depths": []}
+
+
+def buffer_settings(extra_buffers: bool) -> dict:
+    """What a record says of the target's kernels: extra buffer types (repacked weights, AMX tiles) on
+    or off, and whether that means AMX."""
+    return {"extra_buffers": extra_buffers, "amx": extra_buffers and amx_in_build()}
 
 
 def _record(

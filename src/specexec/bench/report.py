@@ -222,6 +222,7 @@ def machine_info(
     draft_weights: str | None = None,
     backend: str | None = None,
     memory: WeightsMemory | None = None,
+    llama_cpp: dict | None = None,
 ) -> dict:
     """Where and how the numbers were measured (`simulated_offload` labels simulated target timings)."""
     import torch
@@ -256,6 +257,8 @@ def machine_info(
         "seed": seed,
         # --ram: the target's weights in RAM and streamed per pass, the disk's speed (measured at load)
         "weights_memory": dataclasses.asdict(memory) if memory is not None else None,
+        # llama.cpp's version and kernels (`specexec.backends.llamacpp.extra_buffers.kernels`), if it ran
+        "llama_cpp": llama_cpp,
     }
 
 
@@ -366,10 +369,16 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
             f"{memory['disk_bytes_per_second'] / 1e9:.2f} GB/s (sequential, measured at load). MiB read from "
             f"storage per target pass: {reads}.",
         ]
+    kernels = ""
+    if machine.get("llama_cpp"):
+        info = machine["llama_cpp"]
+        state = "on" if info["extra_buffers"] else "off"
+        amx = ", AMX" if info["amx"] else ", no AMX"
+        kernels = f"; llama-cpp-python {info['llama_cpp_python']}, repacked kernels {state}{amx}"
     lines += [
         "",
         f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('cpu_instruction_sets')}, "
-        f"{m('torch_threads')} threads){gpu}; backend {m('backend')}; "
+        f"{m('torch_threads')} threads){gpu}; backend {m('backend')}{kernels}; "
         f"{m('platform')}; Python {m('python')}, torch {m('torch')}, transformers {m('transformers')}, "
         f"specexec {m('specexec')}; {m('date')}.",
         "",

@@ -38,6 +38,7 @@ from specexec.backends.base import WeightsMemory
 from specexec.backends.gguf_files import shards, version
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import derived_draft
+from specexec.backends.llamacpp.extra_buffers import extra_buffers_usable, library_build
 from specexec.backends.llamacpp.lazy_load import libllama_path, unpopulated
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 
@@ -110,6 +111,9 @@ class LlamaCppModel:
             params.use_extra_bufts = False
             params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
             maps = stream.mapped()
+        elif not extra_buffers_usable():
+            params.use_extra_bufts = False  # AMX or repacked kernels would kill the process
+        self.extra_buffers = bool(params.use_extra_bufts)
         # A streamed target's file is not read whole at load: the streamer reads in what stays resident.
         with unpopulated(libllama_path()) if streamed else nullcontext():
             self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
@@ -182,16 +186,18 @@ class LlamaCppModel:
         return list(self._eos)
 
     def cost_key(self) -> str:
-        """What the calibration cache keys on: file, size, weight type, threads, library version, and
-        when streamed, how much and how it is read (past the page cache or through it)."""
+        """What the calibration cache keys on: file, size, weight type, threads, library version and
+        build, whether extra buffer types (AMX, repacking) are off, and when streamed, how much and how
+        it is read (past the page cache or through it)."""
         head = f":head{self.head_rows}" if self.head is not None else ""
+        buffers = "" if self.extra_buffers else ":plain-buffers"
         streamed = ""
         if self.stream is not None:
             reads = "direct" if self.stream.ring is not None else "cached"
             streamed = f":streamed{self.stream.plan.streamed_bytes}-{reads}"
         return (
-            f"llamacpp:{self.gguf.name}:{version(self.gguf)}:{self.weights}{head}{streamed}:"
-            f"{self.threads}t:{self.version}"
+            f"llamacpp:{self.gguf.name}:{version(self.gguf)}:{self.weights}{head}{streamed}{buffers}:"
+            f"{self.threads}t:{self.version}:{library_build()}"
         )
 
     def make_runner(self, capacity: int, trees: bool = True) -> LlamaCppRunner:
