@@ -22,6 +22,16 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """Parsed options with their defaults resolved here, once: no deeper code sees None for
+        "the default" (--threads: PyTorch's thread count)."""
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "threads", 0) is None:
+            import torch
+
+            parsed.threads = torch.get_num_threads()
+        return parsed
+
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= `minimum`."""

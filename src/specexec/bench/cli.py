@@ -31,6 +31,7 @@ from specexec.loading import (
     load_draft,
     load_pair,
     resolve_ram,
+    target_backend,
 )
 
 if TYPE_CHECKING:
@@ -147,8 +148,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budgets",
         type=_type(_budgets),
-        default=list(DEFAULT_BUDGETS),
-        help=f"specexec tree budgets (default {joined(DEFAULT_BUDGETS)})",
+        default=None,
+        help=f"specexec tree budgets (default {joined(DEFAULT_BUDGETS)}, those that fit the backend's "
+        "trees: on llama.cpp up to 255 leaves)",
     )
     p.add_argument(
         "--sd-budgets",
@@ -232,6 +234,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
     if spec.ram == "auto":  # once, for every method (load_pair says when a target without --ram won't fit)
         spec = resolve_ram(spec)
     vocabs = _draft_vocabs(spec, args.draft_vocab, len(tokenizer)) if need_draft else [0]
+    if args.budgets is None:
+        args.budgets = _default_budgets(spec)
     configs = _configs(args, vocabs)
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)  # bad prompt sets fail before loading
     if not prompts:
@@ -301,6 +305,16 @@ def _draft_vocabs(spec: PairSpec, requested: list[int | str], vocab_size: int) -
         if n:
             check_draft_vocab(n, vocab_size)
     return vocabs
+
+
+def _default_budgets(spec: PairSpec) -> list[int | str]:
+    """The default specexec budgets whose trees both backends of the pair verify in one pass."""
+    from specexec.backends import backend
+    from specexec.bench.core import DEFAULT_BUDGETS
+
+    names = {target_backend(spec), *([draft_backend(spec)] if spec.draft else [])}
+    limits = [backend(name).MAX_TREE_LEAVES for name in names]
+    return [b for b in DEFAULT_BUDGETS if b == "auto" or all(n is None or b <= n for n in limits)]
 
 
 def _configs(args: argparse.Namespace, vocabs: list[int]) -> list[BenchConfig]:

@@ -24,6 +24,7 @@ def unavailable() -> str | None:
 
 # The load options it takes: it runs the GGUF's own weights, or for a draft a copy of its own (`gguf_quant`)
 OPTIONS = ("threads", "vocab", "ram", "gguf_quant")
+MAX_TREE_LEAVES = LlamaCppModel.max_tree_leaves
 
 
 def refusal(given: list[tuple[str, str]]) -> str | None:

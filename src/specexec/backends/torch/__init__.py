@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 LABEL = "torch"
 WEIGHTS = "folder"
 OPTIONS = ("dtype", "offload", "quant", "threads", "vocab")  # the load options it takes
+MAX_TREE_LEAVES = None  # slot-addressed buffers: any tree fits
 # What the llama.cpp backend's own options are for, in its refusals.
 _LLAMACPP_OPTIONS = {
     "ram": "a GGUF target streamed from disk",
