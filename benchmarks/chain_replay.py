@@ -26,7 +26,9 @@ import torch
 
 from specexec import generate
 from specexec.backends.torch.runner import ModelRunner
-from specexec.budget import ChainCostStop, ConfidenceStop, CostModel
+from specexec.budget.acceptance import ConfidenceStop
+from specexec.budget.chains import ChainCostStop
+from specexec.budget.costs import CostModel
 from specexec.drafters import ChainDrafter, Draft
 from specexec.methods import DSL_MAX_LENGTH
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from specexec import budget, calibration, engine
+from specexec import calibration, engine
+from specexec.budget import gate, policy
 from specexec.learnt import LearntPolicies
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
 from specexec.prompts import load_prompts
@@ -32,12 +33,12 @@ def main() -> None:
     parser.add_argument("--methods", default="specexec,dsl")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
-        "--catch-up-passes", type=float, default=budget.CATCH_UP_PASSES,
+        "--catch-up-passes", type=float, default=policy.CATCH_UP_PASSES,
         help="what a draft's catch-up after plain steps may cost, in target passes (a large value: it reads "
         "every token it missed)",
     )  # fmt: skip
     args = parser.parse_args()
-    budget.CATCH_UP_PASSES = args.catch_up_passes
+    policy.CATCH_UP_PASSES = args.catch_up_passes
 
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, backend="llamacpp", threads=args.threads)
@@ -46,13 +47,13 @@ def main() -> None:
     one = cost.target_seconds(1)
 
     drafted: list[float] = []  # the cost-model seconds of each drafted step, as the gate records them
-    record = budget.SpeculationGate.record
+    record = gate.SpeculationGate.record
 
     def recording(gate, tokens: int, seconds: float) -> None:
         drafted.append(seconds)
         record(gate, tokens, seconds)
 
-    budget.SpeculationGate.record = recording
+    gate.SpeculationGate.record = recording
     prompts = load_prompts(args.prompts, tokenizer, args.n_prompts)
     for method in args.methods.split(","):
         learnt = LearntPolicies()  # shared by the method's generations, as in the bench

@@ -1,11 +1,11 @@
-"""`specexec --budget auto` with and without following the target's pace (`budget.TargetPace`), paired:
+"""`specexec --budget auto` with and without following the target's pace (`budget.costs.TargetPace`), paired:
 the two take turns on every prompt in one process, so the disk's and the machine's drift between runs
 moves both alike (separate `specexec bench` runs of the same setting differed by 5% on the Zen 4 host).
 
     python benchmarks/pace_ab.py --ram 0 --prompts mtbench [--temperature 0.6] [--band 0.3] [--stale 1.6]
 
 - `--band`: how far off the calibration the pace must be before the policies price at it
-  (`budget.PACE_BAND`); 0 prices at any pace.
+  (`policy.PACE_BAND`); 0 prices at any pace.
 - `--stale F`: the calibration's target times and overlap multiplied by F, as a calibration taken while
   the disk ran F times slower would have them (the cached calibration itself is left as it is).
 The arm without the pace never follows it; each arm keeps its own learnt policies across prompts, as a
@@ -19,8 +19,8 @@ import argparse
 import torch
 
 import specexec
-from specexec import budget
-from specexec.budget import CostModel
+from specexec.budget import policy
+from specexec.budget.costs import CostModel
 from specexec.calibration import cached_cost_model
 from specexec.loading import PairSpec, load_pair
 from specexec.models import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -36,10 +36,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--band", type=float, default=budget.PACE_BAND)
+    parser.add_argument("--band", type=float, default=policy.PACE_BAND)
     parser.add_argument("--stale", type=float, default=1.0)
     args = parser.parse_args()
-    budget.PACE_BAND = args.band
+    policy.PACE_BAND = args.band
     ram = parse_size(args.ram, zero=True)
     spec = PairSpec(DEFAULT_TARGET, DEFAULT_DRAFT, backend="llamacpp", threads=args.threads, ram=ram)
     pair = load_pair(spec)
@@ -49,12 +49,12 @@ def main() -> None:
         calibrated.draft, calibrated.label, calibrated.overlap * args.stale, measured=True,
     )  # fmt: skip
     prompts = load_prompts(args.prompts, pair.tokenizer, args.n_prompts)
-    follows = budget.DraftingPolicy.observe_pass
+    follows = policy.DraftingPolicy.observe_pass
     learnt = {"pace": specexec.LearntPolicies(), "calibration": specexec.LearntPolicies()}
     stats: dict[str, list] = {arm: [] for arm in learnt}
 
     def run(arm: str, input_ids: list[int], tokens: int):
-        budget.DraftingPolicy.observe_pass = follows if arm == "pace" else lambda *_: None
+        policy.DraftingPolicy.observe_pass = follows if arm == "pace" else lambda *_: None
         out = specexec.generate(
             pair.target, pair.draft, torch.tensor(input_ids), method="specexec", budget="auto",
             max_new_tokens=tokens, learnt=learnt[arm], cost_model=cost, temperature=args.temperature,

@@ -12,7 +12,7 @@ from toy_backend import ToyModel
 
 import specexec
 from specexec.bench import make_configs, run_benchmark
-from specexec.budget import CostModel
+from specexec.budget.costs import CostModel
 from specexec.prompts import Prompt
 from specexec.server import create_app
 

@@ -17,22 +17,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import specexec
 from specexec.backends.torch.runner import ModelRunner
-from specexec.budget import (
-    CHAIN_CHECK,
-    AcceptanceModel,
-    AutoBudget,
-    ChainBudget,
-    ChainCostStop,
-    ChainStop,
-    ConfidenceStop,
-    CostModel,
-    HeuristicLookahead,
-    LookaheadSchedule,
-    TreeBudget,
-    best_threshold,
-    catch_up_window,
-    chain_seconds,
-)
+from specexec.budget.acceptance import AcceptanceModel, ConfidenceStop, best_threshold
+from specexec.budget.chains import ChainCostStop, HeuristicLookahead
+from specexec.budget.costs import CostModel, chain_seconds
+from specexec.budget.interfaces import ChainBudget, ChainStop, LookaheadSchedule, TreeBudget
+from specexec.budget.policy import catch_up_window
+from specexec.budget.trees import CHAIN_CHECK, AutoBudget
 from specexec.calibration import cached_cost_model
 from specexec.drafters import BestFirstDrafter, ChainDrafter, DraftRequest
 from specexec.prefix_cache import PrefixCache
@@ -345,9 +335,9 @@ def test_a_slower_target_than_calibrated_drafts_more() -> None:
 def test_the_engine_tells_the_policy_each_verification_time(models, monkeypatch) -> None:
     """Every verification's target time reaches the pace, and they sum to the target's decode time."""
     seen = []
-    observe = specexec.budget.TargetPace.observe
+    observe = specexec.budget.costs.TargetPace.observe
     monkeypatch.setattr(
-        specexec.budget.TargetPace, "observe", lambda self, p, m: (seen.append(m), observe(self, p, m))
+        specexec.budget.costs.TargetPace, "observe", lambda self, p, m: (seen.append(m), observe(self, p, m))
     )
     measured = CostModel(STEEP.target, STEEP.draft, measured=True)
     for method in ("specexec", "dsl"):
@@ -629,7 +619,7 @@ def test_calibration_sees_passes_step_up_past_a_multiple_of_16(models, monkeypat
 
 
 def test_speculation_gate_backs_off_fast_where_drafting_has_been_losing() -> None:
-    from specexec.budget import LOSING_MAX_PAUSE, SpeculationGate
+    from specexec.budget.gate import LOSING_MAX_PAUSE, SpeculationGate
 
     gate = SpeculationGate(CostModel({1: 0.1, 64: 0.2}, {1: 0.05, 64: 0.1}), window=2, pause=2)
     for _ in range(2):
@@ -649,7 +639,7 @@ def test_speculation_gate_backs_off_fast_where_drafting_has_been_losing() -> Non
 
 
 def test_speculation_gate_forgives_a_losing_window_where_drafting_has_been_paying() -> None:
-    from specexec.budget import PAYING_MAX_PAUSE, SpeculationGate
+    from specexec.budget.gate import PAYING_MAX_PAUSE, SpeculationGate
 
     gate = SpeculationGate(CostModel({1: 0.1, 64: 0.2}, {1: 0.05, 64: 0.1}), window=2, pause=2)
     for _ in range(10):
@@ -757,7 +747,8 @@ def test_saved_policies_start_a_new_process_where_the_last_one_stopped(models, t
 
 
 def test_learnt_rates_follow_the_last_observations() -> None:
-    from specexec.budget import ACCEPTANCE_MEMORY, RATE_MEMORY, SpeculationGate
+    from specexec.budget.acceptance import ACCEPTANCE_MEMORY
+    from specexec.budget.gate import RATE_MEMORY, SpeculationGate
 
     model = AcceptanceModel()
     for _ in range(4):
@@ -773,7 +764,8 @@ def test_learnt_rates_follow_the_last_observations() -> None:
 
 
 def test_chain_pays_only_where_speculation_can_win() -> None:
-    from specexec.budget import chain_pays, chain_seconds
+    from specexec.budget.costs import chain_seconds
+    from specexec.budget.policy import chain_pays
 
     # llama.cpp on 2 AVX2 cores (shared/notes/llamacpp-backend.md): 4 tokens cost 2.5 one-token passes,
     # a draft pass half of one. Even a draft right 95% of the time loses to plain decoding.

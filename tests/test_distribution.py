@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
 import specexec
 from specexec import verify
 from specexec.backends.torch.draft_vocab import restrict_draft_vocab
-from specexec.budget import CostModel
+from specexec.budget.costs import CostModel
 from specexec.sampling import SamplingParams, probs_from_logits, sample, sample_without_replacement
 from specexec.tree import DraftTree
 

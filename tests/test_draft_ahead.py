@@ -14,7 +14,7 @@ import pytest
 from tiny_models import PERTURB_NOISE, hf_greedy, perturbed, tiny_model
 
 import specexec
-from specexec.budget import CostModel
+from specexec.budget.costs import CostModel
 from specexec.drafters import BestFirstDrafter
 from specexec.engine import GenerationError
 

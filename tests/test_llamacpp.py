@@ -19,7 +19,7 @@ from tiny_gguf import on_storage, synced, write_random_gguf
 from tiny_models import assert_cache_is_text_with_cut, chi2_pvalue
 
 import specexec
-from specexec.budget import CostModel
+from specexec.budget.costs import CostModel
 from specexec.drafters.base import tree_forward
 from specexec.engine import GenerationError
 from specexec.sampling import SamplingParams, probs_from_logits
@@ -437,7 +437,7 @@ def test_a_draft_back_from_a_pause_skips_what_it_missed(model, method: str) -> N
     reads on at the next position, and its cache is the text with them cut out. Verification is flat
     but a draft forward over 4 tokens costs more than half a target pass, so where drafting has been
     losing it reads the last 3."""
-    from specexec.budget import catch_up_window
+    from specexec.budget.policy import catch_up_window
     from specexec.prefix_cache import PrefixCache
 
     target, draft = model("llama", "f32"), model("llama", "f32", "perturbed")

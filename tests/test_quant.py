@@ -25,7 +25,7 @@ from specexec.backends.torch.quant import (
     w4a8_kernel,
     w4a8_reference,
 )
-from specexec.budget import CostModel
+from specexec.budget.costs import CostModel
 from specexec.sampling import SamplingParams, probs_from_logits
 
 # int4 and w4a8 need in_features % 64 == 0 and out_features % 16 == 0: hidden 64, vocab 96 fit.

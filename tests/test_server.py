@@ -1227,7 +1227,7 @@ def test_a_learnt_file_that_cannot_be_written_costs_the_request_nothing(pair, to
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     learnt = specexec.LearntPolicies(blocked / "learnt.json")  # its folder would be a file: OSError
-    cost = specexec.budget.CostModel({1: 1.0, 1024: 1.2}, {1: 0.05, 128: 0.06})
+    cost = specexec.budget.costs.CostModel({1: 1.0, 1024: 1.2}, {1: 0.05, 128: 0.06})
     app = make_app(pair, tok, budget="auto", engine_options={"learnt": learnt, "cost_model": cost})
     prompt = "unwritable"
     text, _ = reference(pair, tok, tok(prompt)["input_ids"], 8)

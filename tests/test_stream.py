@@ -25,7 +25,7 @@ from tiny_gguf import on_storage, synced, write_random_gguf
 
 import specexec
 from specexec.backends.gguf_files import GGUFFileError, shards, split
-from specexec.budget import CostModel
+from specexec.budget.costs import CostModel
 from specexec.sizes import format_bytes
 from specexec.storage import read_bytes
 

@@ -345,7 +345,8 @@ def test_a_draft_behind_the_committed_tokens_is_charged_for_its_catch_up(draft_m
     """After plain steps the draft's first pass takes in every committed token it has not seen. The
     chain reports that pass's size, and an auto tree charges it at the draft's cost for that many
     tokens, not one (resuming after a pause cost up to 18 draft tokens in one pass on MT-Bench)."""
-    from specexec.budget import AutoBudget, CostModel
+    from specexec.budget.costs import CostModel
+    from specexec.budget.trees import AutoBudget
 
     committed = PROMPT + [3, 8, 21, 30, 4]  # five tokens decoded plainly since the draft's prefill
     cost = CostModel({1: 0.1, 64: 0.2}, {1: 0.01, 2: 0.02, 6: 0.5, 64: 1.0})

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specexec.backends import as_model, make_runner
-from specexec.budget import CostModel
+from specexec.budget.costs import CostModel
 from specexec.learnt import LearntPolicies
 from specexec.paths import cache_root
 from specexec.timing import clock

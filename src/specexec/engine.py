@@ -11,7 +11,10 @@ import torch
 
 from specexec.backends import as_model, make_runner
 from specexec.backends.base import Model, Runner, prefill
-from specexec.budget import AutoBudget, ChainCostStop, ConfidenceStop, CostModel
+from specexec.budget.acceptance import ConfidenceStop
+from specexec.budget.chains import ChainCostStop
+from specexec.budget.costs import CostModel
+from specexec.budget.trees import AutoBudget
 from specexec.calibration import cached_cost_model
 from specexec.drafters import Drafter, DraftRequest
 from specexec.drafters.base import Draft, tree_forward
@@ -210,7 +213,7 @@ class Generation:
     The prompt is prefilled `backends.base.PREFILL_CHUNK` tokens at a time. The draft gets a runner and
     a prefill only once the drafter expects to draft: an auto budget may find that drafting cannot pay on
     this machine, and then the draft costs nothing; it catches up when it first drafts (after plain steps
-    where drafting has been losing, reading only the latest tokens it missed: `budget.catch_up_window`).
+    where drafting has been losing, reading only the latest tokens it missed: `budget.policy.catch_up_window`).
     """
 
     def __init__(

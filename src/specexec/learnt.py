@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from specexec.budget import AutoBudget, ChainCostStop
+from specexec.budget.chains import ChainCostStop
+from specexec.budget.trees import AutoBudget
 
 LEARNT_FORMAT = 2  # a saved `LearntPolicies` file of another format is ignored
 Policy = TypeVar("Policy", AutoBudget, ChainCostStop)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specexec.budget import ChainCostStop, ConfidenceStop, HeuristicLookahead
+from specexec.budget.acceptance import ConfidenceStop
+from specexec.budget.chains import ChainCostStop, HeuristicLookahead
 from specexec.drafters import BestFirstDrafter, ChainDrafter, Draft, Drafter, NoDrafter, SampledTreeDrafter
 from specexec.sampling import SamplingParams
 from specexec.tree import DraftTree

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from specexec.budget import TreeBudget
+from specexec.budget.interfaces import TreeBudget
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable, plain_step
 from specexec.drafters.lookup import graft_chain, ngram_continuation
 from specexec.sampling import SamplingParams, probs_from_logits

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specexec.budget import ChainBudget, ChainStop, LookaheadSchedule
+from specexec.budget.interfaces import ChainBudget, ChainStop, LookaheadSchedule
 from specexec.drafters.base import Draft, DrafterBase, DraftRequest, TreeDraftRunner, expandable, plain_step
 from specexec.sampling import argmax, probs_from_logits, sample
 from specexec.tree import DraftTree
