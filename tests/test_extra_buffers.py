@@ -149,3 +149,15 @@ def test_the_bench_peers_follow_the_check(
     seen.clear()
     assert LlamaCpp(target, context=64, threads=1).extra_buffers is True
     assert seen == [True]
+
+
+def test_the_report_says_whether_repacking_and_amx_were_on() -> None:
+    from specexec.bench.report import markdown
+
+    off = {"llama_cpp_python": "0.3.36", "extra_buffers": False, "amx": False}
+    on = {"llama_cpp_python": "0.3.36", "extra_buffers": True, "amx": True}
+    assert "llama-cpp-python 0.3.36, repacked kernels off, no AMX;" in markdown(
+        [], {"llama_cpp": off}, plots=False
+    )
+    assert "repacked kernels on, AMX;" in markdown([], {"llama_cpp": on}, plots=False)
+    assert "repacked" not in markdown([], {}, plots=False)  # llama.cpp did not run

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from time import sleep
 
@@ -91,95 +92,125 @@ def calibrate(
     at --ram 0: 0.08-0.12 s for 1-16 tokens, 0.05 s for 17, nothing from 32), so a curve timed pass
     after pass, less one overlap for every size, priced the large passes too low.
     """
-    models = {"target": target, "draft": draft}
-    runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
-    generator = torch.Generator().manual_seed(0)
-    vocab = min(as_model(m).vocab_size for m in models.values())
+    timer = _Timer({"target": target, "draft": draft}, context)
+    with torch.inference_mode():
+        timer.fill_context()
+        warm_up = _warm_up(timer, progress)
+        slow = {name for name, seconds in warm_up.first.items() if seconds >= SLOW_FORWARD}
+        steady = {name: warm_up.sizes[name] for name in timer.names if name not in warm_up.very_slow}
+        rounds = _rounds(steady, repeats, slow)
+        with tqdm(
+            total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
+        ) as bar:
+            for round_ in rounds:
+                for name, n in round_:
+                    warm_up.add(name, n, *timer.sample(name, n))
+                    bar.update()
+        pairs = OVERLAP_SAMPLES * (1 if "target" in warm_up.very_slow else repeats)
+        overlap = max(0.0, statistics.median(timer.overlap() for _ in range(pairs)))
+    # The target's sizes above one token were timed after a pause: add back what the pause took off.
+    added = {"target": overlap, "draft": 0.0}
+    target_curve, draft_curve = (
+        {
+            n: statistics.median(warm_up.ones[name]) * statistics.median(r) + (added[name] if n > 1 else 0.0)
+            for n, r in warm_up.ratios[name].items()
+        }
+        for name in timer.names
+    )
+    return CostModel(target_curve, draft_curve, label, overlap, measured=True)
 
-    def time_forward(name: str, n: int) -> float:
-        runner = runners[name]
-        runner.keep(torch.arange(context, device=runner.device))
-        tokens = torch.randint(0, vocab, (n,), generator=generator).to(runner.device)
+
+class _Timer:
+    """Times forwards of n new tokens after a `context`-token prefix, on a runner per model."""
+
+    def __init__(self, models: dict, context: int) -> None:
+        self.names = list(models)
+        self.context = context
+        self.runners = {name: make_runner(m, context + max(TARGET_SIZES)) for name, m in models.items()}
+        self.generator = torch.Generator().manual_seed(0)
+        self.vocab = min(as_model(m).vocab_size for m in models.values())
+
+    def fill_context(self) -> None:
+        for runner in self.runners.values():
+            runner.extend(self._tokens(self.context, runner.device))
+
+    def _tokens(self, n: int, device: torch.device) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (n,), generator=self.generator).to(device)
+
+    def forward(self, name: str, n: int) -> float:
+        runner = self.runners[name]
+        runner.keep(torch.arange(self.context, device=runner.device))
+        tokens = self._tokens(n, runner.device)
         start = clock(runner.device)
         runner.extend(tokens, logits_to_keep=n)
         return clock(runner.device) - start
 
-    def sample(name: str, n: int) -> tuple[float, float]:
+    def sample(self, name: str, n: int) -> tuple[float, float]:
         """(one-token seconds, n-token seconds / one-token seconds). One token is timed in steady state,
         right after another one-token forward: plain decoding and chain drafting repeat that shape, which
         llama.cpp runs faster (it reuses its compute graph: 71 against 91 ms for the 1.5B target on 2
         cores), and a streamed target's pass right after a long one starts with units read ahead. Other
         sizes are timed after a one-token forward, as trees vary, the target's after a pause as long as
         that forward (the draft's turn)."""
-        time_forward(name, 1)
-        one = time_forward(name, 1)
+        self.forward(name, 1)
+        one = self.forward(name, 1)
         if n == 1:
             return one, 1.0
         if name == "target":
             sleep(one)
-        return one, time_forward(name, n) / one
+        return one, self.forward(name, n) / one
 
-    def time_overlap() -> float:
+    def overlap(self) -> float:
         """How much sooner a one-token target pass ends after a pause as long as a pass."""
-        time_forward("target", 1)
-        back_to_back = time_forward("target", 1)
+        self.forward("target", 1)
+        back_to_back = self.forward("target", 1)
         sleep(back_to_back)
-        return back_to_back - time_forward("target", 1)
+        return back_to_back - self.forward("target", 1)
 
-    sizes: dict[str, list[int]] = {"target": [], "draft": []}
-    warm: dict[str, float] = {}  # each model's first one-token forward, seconds
-    very_slow: set[str] = set()  # timed in the warm-up round alone
-    ones: dict[str, list[float]] = {name: [] for name in models}
-    ratios: dict[str, dict[int, list[float]]] = {name: {} for name in models}
-    with torch.inference_mode():
-        for runner in runners.values():
-            runner.extend(torch.randint(0, vocab, (context,), generator=generator).to(runner.device))
-        with tqdm(desc="calibrating forward costs (warm-up)", disable=not progress, leave=False) as bar:
-            one_step = None
-            for name, candidates in (("target", TARGET_SIZES), ("draft", DRAFT_SIZES)):
-                for n in candidates:
-                    if name in very_slow:
-                        if n not in SPARSE_SIZES:
-                            continue
-                        one, ratio = sample(name, n)
-                        ones[name].append(one)
-                        ratios[name][n] = [ratio]
-                        seconds = one * ratio
-                    else:
-                        seconds = time_forward(name, n)
-                    bar.update()
-                    one_step = one_step or seconds
-                    warm.setdefault(name, seconds)
-                    if n == 1 and seconds >= VERY_SLOW_FORWARD:
-                        very_slow.add(name)
-                        ratios[name][1] = [1.0]
-                    sizes[name].append(n)
-                    if len(sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
-                        break
-        slow = {name for name, ones_ in warm.items() if ones_ >= SLOW_FORWARD}
-        rounds = _rounds({name: sizes[name] for name in models if name not in very_slow}, repeats, slow)
-        with tqdm(
-            total=sum(map(len, rounds)), desc="calibrating forward costs", disable=not progress, leave=False
-        ) as bar:
-            for round_ in rounds:
-                for name, n in round_:
-                    one, ratio = sample(name, n)
-                    ones[name].append(one)
-                    ratios[name].setdefault(n, []).append(ratio)
-                    bar.update()
-        pairs = OVERLAP_SAMPLES * (1 if "target" in very_slow else repeats)
-        overlap = statistics.median(time_overlap() for _ in range(pairs))
-    overlap = max(0.0, overlap)
-    # The target's sizes above one token were timed after a pause: add back what the pause took off.
-    added = {"target": overlap, "draft": 0.0}
-    target_curve, draft_curve = (
-        {
-            n: statistics.median(ones[name]) * statistics.median(r) + (added[name] if n > 1 else 0.0)
-            for n, r in ratios[name].items()
-        }
-        for name in models
-    )
-    return CostModel(target_curve, draft_curve, label, overlap, measured=True)
+
+@dataclass
+class _Samples:
+    """What the warm-up round found: each model's sizes worth timing, its first one-token forward's
+    seconds, the models timed in this round alone, and the samples taken so far."""
+
+    sizes: dict[str, list[int]] = field(default_factory=lambda: {"target": [], "draft": []})
+    first: dict[str, float] = field(default_factory=dict)
+    very_slow: set[str] = field(default_factory=set)
+    ones: dict[str, list[float]] = field(default_factory=lambda: {"target": [], "draft": []})
+    ratios: dict[str, dict[int, list[float]]] = field(default_factory=lambda: {"target": {}, "draft": {}})
+
+    def add(self, name: str, n: int, one: float, ratio: float) -> None:
+        self.ones[name].append(one)
+        self.ratios[name].setdefault(n, []).append(ratio)
+
+
+def _warm_up(timer: _Timer, progress: bool) -> _Samples:
+    """Each model's sizes in ascending order, up to the first costing more than REPAY_LIMIT one-token
+    target passes; a very slow model's sample of each of SPARSE_SIZES."""
+    found = _Samples()
+    with tqdm(desc="calibrating forward costs (warm-up)", disable=not progress, leave=False) as bar:
+        one_step = None
+        for name, candidates in (("target", TARGET_SIZES), ("draft", DRAFT_SIZES)):
+            for n in candidates:
+                if name in found.very_slow:
+                    if n not in SPARSE_SIZES:
+                        continue
+                    one, ratio = timer.sample(name, n)
+                    found.ones[name].append(one)
+                    found.ratios[name][n] = [ratio]
+                    seconds = one * ratio
+                else:
+                    seconds = timer.forward(name, n)
+                bar.update()
+                one_step = one_step or seconds
+                found.first.setdefault(name, seconds)
+                if n == 1 and seconds >= VERY_SLOW_FORWARD:
+                    found.very_slow.add(name)
+                    found.ratios[name][1] = [1.0]
+                found.sizes[name].append(n)
+                if len(found.sizes[name]) >= 2 and seconds > REPAY_LIMIT * one_step:
+                    break
+    return found
 
 
 def _rounds(sizes: dict[str, list[int]], repeats: int, slow: set[str]) -> list[list[tuple[str, int]]]:

@@ -310,6 +310,37 @@ def _draft_weights(machine: dict) -> str:
     return f" (draft {weights})" if weights else ""
 
 
+# The report's definitions of its columns and protocol, below every table.
+DEFINITIONS = (
+    "- tok/call: new tokens / target verification forwards (bonus token included, prefill excluded), "
+    "total over total; the next column is the mean of the per-prompt ratios.",
+    "- decode tok/s: new tokens / decode seconds summed over prompts; tok/s incl. prefill: new tokens / "
+    "wall seconds of the whole calls. Speedup: decode tok/s over ar's, same run. Paired: the median, "
+    "over passes (prompt, repeat), of that ratio within the pass, where the two ran seconds apart: "
+    "the machine's drift between passes moves it less. Faster repeat: the same as speedup, counting "
+    "for each prompt only its fastest repeat (with --repeats R > 1), which a one-off stall of the "
+    "machine moves less.",
+    "- target-bound tok/s: new tokens / seconds inside the target's forwards: the speed were drafting "
+    "and overhead free, a ceiling for any faster drafter of the same trees.",
+    "- Every configuration ran on the same prompts with the same seed per prompt, interleaved (the order "
+    "rotated per prompt), after a warm-up generation per configuration that is not counted. With "
+    "`--repeats R` every prompt ran R times per configuration (same seed, same tokens; the order "
+    "reversed on every other pass) and each row sums all R. A budget `auto` keeps what it learnt "
+    "(acceptance rates, the speculation gate) from one generation to the next, warm-up included, as in "
+    "the server.",
+    "- hf-assisted / hf-lookup are Hugging Face `generate` (assistant_model at its default dynamic "
+    "settings; prompt_lookup_num_tokens=10), timed by the same clock; target/draft forwards are counted "
+    "and timed by forward hooks. generate folds the prompt into its first target forward, so the "
+    "target's prefill is estimated by a separate forward over the prompt just before the call (capped "
+    "at that first forward's time) and subtracted; the draft's prefill is the assistant's first forward "
+    "(prompt only). Tree size = candidates per verification.",
+    "- identical to ar (greedy only): yes when every prompt's output equals ar's; otherwise the number "
+    "of identical prompts and the mean common-prefix fraction (common prefix / longer output).",
+    "- A label ending in /dvN: the draft scores only its first N token ids and its special tokens "
+    "(`--draft-vocab N`).",
+)
+
+
 def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
     first = rows[0] if rows else {}
     m = machine.get
@@ -331,20 +362,50 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
         "| target-bound tok/s | tree size | tree depth | target calls | new tokens | identical to ar |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
-    for row in rows:
-        shares = " / ".join(_pct(row[f"{p}_share"]) for p in ("draft", "target", "overhead"))
-        lines.append(
-            f"| {row['label']} | {_num(row['tokens_per_step'])} | {_num(row['tokens_per_step_mean'])} "
-            f"| {_num(row['tok_per_s'])} | {_num(row['tok_per_s_with_prefill'])} "
-            f"| {_num(row['speedup_vs_ar'], 'x')} | {_num(row['speedup_vs_ar_paired'], 'x')} "
-            f"| {_num(row['tok_per_s_faster_repeat'])} "
-            f"({_num(row['speedup_vs_ar_faster_repeat'], 'x')}) | {shares} "
-            f"| {_num(row['tok_per_s_target_bound'])} "
-            f"| {_num(row['mean_tree_size'], digits=1)} | {_num(row['mean_tree_depth'], digits=1)} "
-            f"| {row['target_calls']} | {row['new_tokens']} "
-            f"| {_identical(row)} |"
-        )
+    lines += [_table_row(row) for row in rows]
     gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+    lines += _notes(rows, machine)
+    lines += [
+        "",
+        f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('cpu_instruction_sets')}, "
+        f"{m('torch_threads')} threads){gpu}; backend {m('backend')}{_kernels(machine)}; "
+        f"{m('platform')}; Python {m('python')}, torch {m('torch')}, transformers {m('transformers')}, "
+        f"specexec {m('specexec')}; {m('date')}.",
+        "",
+        "Command:",
+        "",
+        "```",
+        str(machine.get("command")),
+        "```",
+        "",
+        "Definitions:",
+        "",
+        *DEFINITIONS,
+    ]
+    if plots:
+        lines += ["", "![tokens per step](tokens_per_step.png)", "", "![tok/s](tok_per_s.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _table_row(row: dict) -> str:
+    """One configuration's line of the results table."""
+    shares = " / ".join(_pct(row[f"{p}_share"]) for p in ("draft", "target", "overhead"))
+    return (
+        f"| {row['label']} | {_num(row['tokens_per_step'])} | {_num(row['tokens_per_step_mean'])} "
+        f"| {_num(row['tok_per_s'])} | {_num(row['tok_per_s_with_prefill'])} "
+        f"| {_num(row['speedup_vs_ar'], 'x')} | {_num(row['speedup_vs_ar_paired'], 'x')} "
+        f"| {_num(row['tok_per_s_faster_repeat'])} "
+        f"({_num(row['speedup_vs_ar_faster_repeat'], 'x')}) | {shares} "
+        f"| {_num(row['tok_per_s_target_bound'])} "
+        f"| {_num(row['mean_tree_size'], digits=1)} | {_num(row['mean_tree_depth'], digits=1)} "
+        f"| {row['target_calls']} | {row['new_tokens']} "
+        f"| {_identical(row)} |"
+    )
+
+
+def _notes(rows: Sequence[dict], machine: dict) -> list[str]:
+    """The lines under the table: the auto budgets' pace, simulated timings, what streamed from disk."""
+    lines: list[str] = []
     paces = ", ".join(
         f"{row['label']} {row['target_pace'][0]:.2f}-{row['target_pace'][1]:.2f}"
         for row in rows
@@ -369,57 +430,17 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
             f"{memory['disk_bytes_per_second'] / 1e9:.2f} GB/s (sequential, measured at load). MiB read from "
             f"storage per target pass: {reads}.",
         ]
-    kernels = ""
-    if machine.get("llama_cpp"):
-        info = machine["llama_cpp"]
-        state = "on" if info["extra_buffers"] else "off"
-        amx = ", AMX" if info["amx"] else ", no AMX"
-        kernels = f"; llama-cpp-python {info['llama_cpp_python']}, repacked kernels {state}{amx}"
-    lines += [
-        "",
-        f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('cpu_instruction_sets')}, "
-        f"{m('torch_threads')} threads){gpu}; backend {m('backend')}{kernels}; "
-        f"{m('platform')}; Python {m('python')}, torch {m('torch')}, transformers {m('transformers')}, "
-        f"specexec {m('specexec')}; {m('date')}.",
-        "",
-        "Command:",
-        "",
-        "```",
-        str(machine.get("command")),
-        "```",
-        "",
-        "Definitions:",
-        "",
-        "- tok/call: new tokens / target verification forwards (bonus token included, prefill excluded), "
-        "total over total; the next column is the mean of the per-prompt ratios.",
-        "- decode tok/s: new tokens / decode seconds summed over prompts; tok/s incl. prefill: new tokens / "
-        "wall seconds of the whole calls. Speedup: decode tok/s over ar's, same run. Paired: the median, "
-        "over passes (prompt, repeat), of that ratio within the pass, where the two ran seconds apart: "
-        "the machine's drift between passes moves it less. Faster repeat: the same as speedup, counting "
-        "for each prompt only its fastest repeat (with --repeats R > 1), which a one-off stall of the "
-        "machine moves less.",
-        "- target-bound tok/s: new tokens / seconds inside the target's forwards: the speed were drafting "
-        "and overhead free, a ceiling for any faster drafter of the same trees.",
-        "- Every configuration ran on the same prompts with the same seed per prompt, interleaved (the order "
-        "rotated per prompt), after a warm-up generation per configuration that is not counted. With "
-        "`--repeats R` every prompt ran R times per configuration (same seed, same tokens; the order "
-        "reversed on every other pass) and each row sums all R. A budget `auto` keeps what it learnt "
-        "(acceptance rates, the speculation gate) from one generation to the next, warm-up included, as in "
-        "the server.",
-        "- hf-assisted / hf-lookup are Hugging Face `generate` (assistant_model at its default dynamic "
-        "settings; prompt_lookup_num_tokens=10), timed by the same clock; target/draft forwards are counted "
-        "and timed by forward hooks. generate folds the prompt into its first target forward, so the "
-        "target's prefill is estimated by a separate forward over the prompt just before the call (capped "
-        "at that first forward's time) and subtracted; the draft's prefill is the assistant's first forward "
-        "(prompt only). Tree size = candidates per verification.",
-        "- identical to ar (greedy only): yes when every prompt's output equals ar's; otherwise the number "
-        "of identical prompts and the mean common-prefix fraction (common prefix / longer output).",
-        "- A label ending in /dvN: the draft scores only its first N token ids and its special tokens "
-        "(`--draft-vocab N`).",
-    ]
-    if plots:
-        lines += ["", "![tokens per step](tokens_per_step.png)", "", "![tok/s](tok_per_s.png)"]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _kernels(machine: dict) -> str:
+    """llama.cpp's version and kernels, for the machine line (empty where llama.cpp did not run)."""
+    if not machine.get("llama_cpp"):
+        return ""
+    info = machine["llama_cpp"]
+    state = "on" if info["extra_buffers"] else "off"
+    amx = ", AMX" if info["amx"] else ", no AMX"
+    return f"; llama-cpp-python {info['llama_cpp_python']}, repacked kernels {state}{amx}"
 
 
 def _plural(n: int, word: str) -> str:
