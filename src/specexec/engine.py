@@ -19,7 +19,17 @@ from specexec.calibration import cached_cost_model
 from specexec.drafters import Drafter, DraftRequest
 from specexec.drafters.base import Draft, tree_forward
 from specexec.learnt import LearntPolicies
-from specexec.methods import DSL_MAX_LENGTH, DraftOptions, Method, UnknownMethod, method, not_for
+from specexec.methods import (
+    DSL_MAX_LENGTH,
+    Budget,
+    BudgetError,
+    DraftOptions,
+    Fixed,
+    Method,
+    UnknownMethod,
+    method,
+    not_for,
+)
 from specexec.models import eos_token_ids
 from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams
@@ -101,8 +111,9 @@ class GenerationOutput:
 class Settings:
     """What a generation is asked for (`stream`'s keyword arguments but the models' companions).
 
-    method: a name of `specexec.methods.METHODS`; `budget` defaults to the method's own ("auto" for
-    specexec and dsl: every step sized by the cost model and the acceptances seen so far). `expand`,
+    method: a name of `specexec.methods.METHODS`; `budget` an integer, "auto" (specexec and dsl: every
+    step sized by the cost model and the acceptances seen so far) or a value `Method.resolve_budget`
+    made, None for the method's own default; the generation resolves it once. `expand`,
     `width`, `max_rounds`, `branches`, `ngram` and `lookahead_schedule` shape the drafts of the methods
     that read them (`specexec.methods.DraftOptions`); `confidence_threshold` and `adapt_threshold` are
     dsl's confidence stop. `draft_ahead` (specexec): the draft grows the next tree on while the target
@@ -117,7 +128,7 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    budget: int | str | None = None
+    budget: int | str | Budget | None = None
     expand: int = 32
     width: int = 8
     max_rounds: int = 32
@@ -213,7 +224,8 @@ class Generation:
     The prompt is prefilled `backends.base.PREFILL_CHUNK` tokens at a time. The draft gets a runner and
     a prefill only once the drafter expects to draft: an auto budget may find that drafting cannot pay on
     this machine, and then the draft costs nothing; it catches up when it first drafts (after plain steps
-    where drafting has been losing, reading only the latest tokens it missed: `budget.policy.catch_up_window`).
+    where drafting has been losing, reading only the latest tokens it missed:
+    `budget.policy.catch_up_window`).
     """
 
     def __init__(
@@ -229,7 +241,7 @@ class Generation:
     ) -> None:
         self.target, self.draft = target, draft
         self.prompt = _as_token_tensor(input_ids, as_model(target))
-        self.method = _checked(settings, target, draft, tokenizer)
+        self.method, budget = _checked(settings, target, draft, tokenizer)
         _check_window(self.prompt, settings.max_new_tokens, target)
         self.max_new_tokens = settings.max_new_tokens
         device = self.prompt.device
@@ -240,7 +252,7 @@ class Generation:
         self.vocab_size = as_model(target).vocab_size
         self.text = TextStream(tokenizer, settings.stop_strings) if settings.stop_strings else None
         self.draft_ahead = settings.draft_ahead
-        self.drafter, self.policy = _drafter(self.method, settings, target, draft, cost_model, learnt)
+        self.drafter, self.policy = _drafter(self.method, budget, settings, target, draft, cost_model, learnt)
         self.stats = Stats(method=self.method.name, prompt_tokens=self.prompt.numel())
         self.committed = self.prompt
         # Committed tokens plus scratch slots for the largest tree a step can build, in both caches; the
@@ -405,13 +417,14 @@ class Generation:
         return [r for r in (self.target_runner, self.draft_runner) if r is not None]
 
 
-def _checked(settings: Settings, target, draft, tokenizer) -> Method:
-    """The method of `settings`, once every setting is one it can run on these models."""
+def _checked(settings: Settings, target, draft, tokenizer) -> tuple[Method, Budget]:
+    """The method of `settings` and its budget resolved, once every setting is one it can run on these
+    models."""
     try:
         chosen = method(settings.method)
-    except UnknownMethod as err:
+        budget = chosen.resolve_budget(settings.budget)
+    except (UnknownMethod, BudgetError) as err:
         raise GenerationError(str(err)) from None
-    budget = chosen.default_budget if settings.budget is None else settings.budget
     ngram = settings.ngram
     if chosen.drafts and draft is None:
         raise GenerationError(f"method {chosen.name!r} needs a draft model")
@@ -419,19 +432,15 @@ def _checked(settings: Settings, target, draft, tokenizer) -> Method:
         raise GenerationError(f"max_new_tokens must be >= 1, got {settings.max_new_tokens}")
     if not isinstance(ngram, int) or ngram < 0:
         raise GenerationError(f"ngram must be an integer >= 0, got {ngram!r}")
-    if budget == "auto" and not chosen.auto:
-        raise GenerationError(not_for(chosen.name, "budget 'auto'", "auto"))
-    if budget != "auto" and (not isinstance(budget, int) or (chosen.drafts and budget < 1)):
-        raise GenerationError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
     if settings.lookahead_schedule not in ("constant", "heuristic"):
         raise GenerationError(
             f"lookahead_schedule must be 'constant' or 'heuristic', got {settings.lookahead_schedule!r}"
         )
     leaf_limit, limiter = tree_leaf_limit(target, draft)
-    if isinstance(budget, int) and chosen.tree and budget + 2 * ngram > leaf_limit:
+    if isinstance(budget, Fixed) and chosen.tree and budget.size + 2 * ngram > leaf_limit:
         raise GenerationError(
-            f"budget {budget} could make trees of more than the {leaf_limit} leaves {limiter} verifies "
-            f"in one pass; use a budget of at most {leaf_limit - 2 * ngram}"
+            f"budget {budget.size} could make trees of more than the {leaf_limit} leaves {limiter} "
+            f"verifies in one pass; use a budget of at most {leaf_limit - 2 * ngram}"
         )
     if ngram and "ngram" not in chosen.options:
         raise GenerationError(not_for(chosen.name, "ngram grafting", "ngram"))
@@ -444,7 +453,7 @@ def _checked(settings: Settings, target, draft, tokenizer) -> Method:
         ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
     except ValueError as e:
         raise GenerationError(str(e)) from None
-    return chosen
+    return chosen, budget
 
 
 def _check_window(prompt: torch.Tensor, max_new_tokens: int, target) -> None:
@@ -457,13 +466,12 @@ def _check_window(prompt: torch.Tensor, max_new_tokens: int, target) -> None:
 
 
 def _drafter(
-    chosen: Method, settings: Settings, target, draft, cost: CostModel | None, learnt
+    chosen: Method, budget: Budget, settings: Settings, target, draft, cost: CostModel | None, learnt
 ) -> tuple[Drafter, AutoBudget | ChainCostStop | None]:
-    """The method's drafter and, with an "auto" budget, its cost policy (kept in `learnt` if given)."""
-    budget = chosen.default_budget if settings.budget is None else settings.budget
+    """The method's drafter and, under an auto budget, its cost policy (kept in `learnt` if given)."""
     confidence = ConfidenceStop(settings.confidence_threshold, settings.adapt_threshold)
-    if budget != "auto":
-        return chosen.make_drafter(budget, settings.draft_options, confidence, None), None
+    if isinstance(budget, Fixed):
+        return chosen.make_drafter(budget.size, settings.draft_options, confidence, None), None
     cost = cost or cached_cost_model(target, draft)
     max_budget = min(AUTO_MAX_BUDGET, tree_leaf_limit(target, draft)[0] - 2 * settings.ngram)
     make = (
@@ -478,10 +486,10 @@ def _drafter(
         )
     else:
         policy = make()
-    if not chosen.chain:
-        return chosen.make_drafter(policy, settings.draft_options, confidence, None), policy
-    policy.start()  # a chain cut short by the last generation's end is not this one's
-    return chosen.make_drafter(DSL_MAX_LENGTH, settings.draft_options, confidence, policy), policy
+    if chosen.chain:
+        policy.start()  # a chain cut short by the last generation's end is not this one's
+    size = DSL_MAX_LENGTH if chosen.chain else max_budget
+    return chosen.make_drafter(size, settings.draft_options, confidence, policy), policy
 
 
 def tree_leaf_limit(*models) -> tuple[int, str]:

@@ -54,12 +54,42 @@ def walk_rejection(tree, logits, draft, sampling, generator) -> tuple[list[int],
 
 
 @dataclass(frozen=True)
+class Fixed:
+    """A budget of `size` draft tokens: a chain's length, a tree's nodes (0: no draft)."""
+
+    size: int
+
+    @property
+    def option(self) -> int:
+        """As the `budget` option writes it."""
+        return self.size
+
+
+@dataclass(frozen=True)
+class Auto:
+    """A budget sized every step from the cost model: a tree's `AutoBudget`, a chain's `ChainCostStop`."""
+
+    @property
+    def option(self) -> str:
+        """As the `budget` option writes it."""
+        return "auto"
+
+
+Budget = Fixed | Auto
+
+
+class BudgetError(ValueError):
+    """A budget the method cannot take."""
+
+
+@dataclass(frozen=True)
 class Method:
     """One decoding method.
 
-    `make_drafter(budget, options, confidence, cost_stop)` builds its drafter for one generation: `budget`
-    an integer, or the `AutoBudget` of an "auto" tree budget; `confidence` and `cost_stop` the stops of a
-    dsl chain (`cost_stop` under "auto" only).
+    `make_drafter(size, options, confidence, policy)` builds its drafter for one generation: `size` its
+    budget in draft tokens (under an auto budget, the most the policy may ask for), `confidence` a dsl
+    chain's confidence stop, and `policy` the auto budget's cost policy (`AutoBudget` for a tree,
+    `ChainCostStop` for a chain), None under a fixed budget.
     """
 
     name: str
@@ -77,12 +107,30 @@ class Method:
         """Whether it needs a draft model."""
         return self.default_budget != 0
 
-    def sized_by_cost(self, budget: int | str | None) -> bool:
-        """Whether a generation with `budget` (None: the method's default) is sized by the cost model."""
-        return self.auto and (self.default_budget if budget is None else budget) == "auto"
+    def resolve_budget(self, budget: int | str | Budget | None) -> Budget:
+        """The one budget value of a generation: `budget` as given ("auto", an integer, or already
+        resolved), or the method's default where None. Raises `BudgetError` for one it cannot take."""
+        if isinstance(budget, Fixed | Auto):
+            return budget
+        value = self.default_budget if budget is None else budget
+        if value == "auto":
+            if not self.auto:
+                raise BudgetError(not_for(self.name, "budget 'auto'", "auto"))
+            return Auto()
+        if not isinstance(value, int) or isinstance(value, bool) or (self.drafts and value < 1):
+            raise BudgetError(f"budget must be an integer >= 1 or 'auto', got {value!r}")
+        return Fixed(value)
+
+    def sized_by_cost(self, budget: int | str | Budget | None) -> bool:
+        """Whether a generation with `budget` (None: the method's default) is sized by the cost model; a
+        budget it cannot take is not (`resolve_budget` says why when the generation starts)."""
+        try:
+            return isinstance(self.resolve_budget(budget), Auto)
+        except BudgetError:
+            return False
 
 
-def _sd(budget: int, options: DraftOptions, confidence: ConfidenceStop, cost_stop: None) -> Drafter:
+def _sd(budget: int, options: DraftOptions, confidence: ConfidenceStop, policy: None) -> Drafter:
     if options.lookahead_schedule == "heuristic":
         return ChainDrafter(
             budget, schedule=HeuristicLookahead(budget), max_length=max(budget, HEURISTIC_MAX_LENGTH)
@@ -91,9 +139,9 @@ def _sd(budget: int, options: DraftOptions, confidence: ConfidenceStop, cost_sto
 
 
 def _dsl(
-    budget: int, options: DraftOptions, confidence: ConfidenceStop, cost_stop: ChainCostStop | None
+    budget: int, options: DraftOptions, confidence: ConfidenceStop, policy: ChainCostStop | None
 ) -> Drafter:
-    return ChainDrafter(budget, stop=confidence, cost_stop=cost_stop)
+    return ChainDrafter(budget, stop=confidence, cost_stop=policy)
 
 
 METHODS: dict[str, Method] = {
@@ -102,7 +150,7 @@ METHODS: dict[str, Method] = {
         Method(
             "ar",
             "the target alone",
-            lambda budget, options, confidence, cost_stop: NoDrafter(),
+            lambda budget, options, confidence, policy: NoDrafter(),
             walk_cache,
             0,
         ),
@@ -129,7 +177,7 @@ METHODS: dict[str, Method] = {
         Method(
             "specinfer",
             "`branches` sampled chains, `budget` draft tokens in all, multi-draft rejection",
-            lambda budget, options, confidence, cost_stop: SampledTreeDrafter(budget, options.branches),
+            lambda budget, options, confidence, policy: SampledTreeDrafter(budget, options.branches),
             walk_rejection,
             32,
             options=("branches",),
@@ -140,8 +188,13 @@ METHODS: dict[str, Method] = {
             "a best-first tree of `budget` tokens (`expand` nodes per draft pass, `width` children per "
             "node, at most `max_rounds` draft passes), verified by the cache walk; with `ngram` > 0, "
             "prompt-lookup chains of up to `ngram` tokens are grafted into the tree",
-            lambda budget, options, confidence, cost_stop: BestFirstDrafter(
-                budget, options.expand, options.width, options.max_rounds, options.ngram, options.draft_ahead
+            lambda budget, options, confidence, policy: BestFirstDrafter(
+                policy or budget,
+                options.expand,
+                options.width,
+                options.max_rounds,
+                options.ngram,
+                options.draft_ahead,
             ),
             walk_cache,
             "auto",

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specexec.backends import as_model
 from specexec.engine import SETTINGS, sized_by_cost, stream
-from specexec.methods import METHODS, not_for
+from specexec.methods import METHODS, Budget
 from specexec.server.limits import DEFAULT_MAX_TOKENS
 from specexec.server.metrics import Metrics
 from specexec.server.queue import GenerationQueue
@@ -81,7 +81,7 @@ def create_app(
     `keepalive_seconds`; /health runs a one-token forward when none ran in the last `health_interval`
     seconds.
     """
-    engine_options = _check_engine_config(target, draft, method, budget, max_queue, engine_options)
+    engine_options, budget = _check_engine_config(target, draft, method, budget, max_queue, engine_options)
     settings = RequestSettings.for_model(as_model(target), model_name, max_model_len, default_max_tokens)
     if eos_token_id is None:
         from specexec.models import eos_token_ids
@@ -185,18 +185,16 @@ async def _internal_error(request: Request, err: Exception) -> JSONResponse:
     )
 
 
-def _check_engine_config(target, draft, method, budget, max_queue, engine_options) -> dict:
-    """Refuse a configuration that would fail every request, before serving anything."""
+def _check_engine_config(target, draft, method, budget, max_queue, engine_options) -> tuple[dict, Budget]:
+    """Refuse a configuration that would fail every request, before serving anything; the engine's
+    options and the budget resolved once, for every request."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if METHODS[method].drafts and draft is None:
         raise ValueError(f"method {method!r} needs a draft model")
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-    if budget == "auto" and not METHODS[method].auto:
-        raise ValueError(not_for(method, "budget 'auto'", "auto"))
-    if budget not in (None, "auto") and (not isinstance(budget, int) or (method != "ar" and budget < 1)):
-        raise ValueError(f"budget must be an integer >= 1, 'auto' or None, got {budget!r}")
+    budget = METHODS[method].resolve_budget(budget)  # a BudgetError (a ValueError) says why it cannot
     options = dict(engine_options or {})
     allowed = (SETTINGS | set(inspect.signature(stream).parameters)) - _PER_REQUEST - {"settings"}
     unknown = sorted(set(options) - allowed)
@@ -210,7 +208,7 @@ def _check_engine_config(target, draft, method, budget, max_queue, engine_option
         # Requests run one at a time: each starts from what the auto budget learnt on the ones before,
         # and the first from what the last server (or `specexec generate`) of this pair learnt.
         options.setdefault("learnt", persisted_policies(target, draft))
-    return options
+    return options, budget
 
 
 # What the server sets itself for every request, so not an engine option.

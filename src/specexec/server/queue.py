@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specexec.engine import GenerationError, Stats, probe, stream
+from specexec.methods import Budget
 from specexec.prefix_cache import PrefixCache
 from specexec.server.metrics import Metrics
 from specexec.text import TextStream
@@ -153,7 +154,7 @@ class GenerationQueue:
         tokenizer,
         *,
         method: str,
-        budget: int | str | None,
+        budget: Budget,
         eos_token_id: list[int] | None,
         max_queue: int,
         metrics: Metrics,

@@ -16,7 +16,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from specexec.methods import METHODS
+from specexec.methods import Budget
 from specexec.server.metrics import Metrics
 from specexec.server.queue import Admission, GenerationQueue, Job, QueueFull, ShuttingDown
 from specexec.server.requests import RequestSettings, check_model, check_request, prepare
@@ -38,7 +38,7 @@ class Service:
     # Request handlers tokenize here, off the event loop; the worker has its own tokenizer copy.
     tokenize_pool: ThreadPoolExecutor
     method: str
-    budget: int | str | None
+    budget: Budget  # resolved once, for every request
     api_key: str | None
     max_body_bytes: int
     body_timeout: float
@@ -298,14 +298,13 @@ def _too_large(limit: int) -> APIError:
 
 
 def _model_card(service: Service) -> dict:
-    budget = METHODS[service.method].default_budget if service.budget is None else service.budget
     return {
         "id": service.settings.model_name,
         "object": "model",
         "created": service.created,
         "owned_by": "specexec",
         "context_window": service.settings.window,
-        "specexec": {"method": service.method, "budget": budget},
+        "specexec": {"method": service.method, "budget": service.budget.option},
     }
 
 
