@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 from collections import deque
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Generic, Protocol
 
 import pytest
 import torch
-from tiny_models import assert_cache_is_text_with_cut
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import assert_cache_is_text_with_cut, budget_pair
 
 import specexec
 from specexec.backends.torch.runner import ModelRunner
@@ -23,7 +20,6 @@ from specexec.budget.costs import CostModel, chain_seconds
 from specexec.budget.interfaces import ChainBudget, ChainStop, LookaheadSchedule, TreeBudget
 from specexec.budget.policy import catch_up_window
 from specexec.budget.trees import CHAIN_CHECK, AutoBudget
-from specexec.calibration import cached_cost_model
 from specexec.drafters import BestFirstDrafter, ChainDrafter, DraftRequest
 from specexec.prefix_cache import PrefixCache
 from specexec.sampling import SamplingParams
@@ -35,23 +31,10 @@ STEEP = CostModel({1: 0.26, 4: 0.26, 16: 0.29, 64: 0.58, 256: 1.03}, {1: 0.09, 4
 FLAT = CostModel({1: 5.0, 1024: 5.3, 4096: 6.5}, {1: 0.01, 64: 0.015})
 
 
-def tiny(seed: int, noise: float = 0.0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.6, eos_token_id=None,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(noise * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module")
 def models():
-    target = tiny(0)
-    return target, tiny(0, noise=0.05), torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(1))
+    """A tiny target, a draft close to it, and a prompt."""
+    return budget_pair()
 
 
 def test_heuristic_lookahead_grows_and_shrinks() -> None:
@@ -347,155 +330,6 @@ def test_the_engine_tells_the_policy_each_verification_time(models, monkeypatch)
         assert sum(seen) == pytest.approx(out.stats.target_seconds)
 
 
-def test_calibration_is_measured_once_and_cached(models, tmp_path, monkeypatch) -> None:
-    from specexec import calibration
-
-    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
-    target, draft, _ = models
-    first = cached_cost_model(target, draft)
-    # Every size from 1 up to where a forward stops paying (REPAY_LIMIT; a tiny model's costs are mostly
-    # per-call overhead, so how far that is depends on the machine).
-    for curve, sizes in ((first.target, calibration.TARGET_SIZES), (first.draft, calibration.DRAFT_SIZES)):
-        assert list(curve) == list(sizes[: len(curve)]) and len(curve) >= 2
-    assert all(v > 0 for v in [*first.target.values(), *first.draft.values()])
-    assert list((tmp_path / "calibration").glob("*.json"))
-    monkeypatch.setattr("specexec.calibration.calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
-    assert cached_cost_model(target, draft).target == first.target
-
-
-def calibrate_on_a_fake_clock(
-    models,
-    monkeypatch,
-    seconds: Callable[[int, int], float],
-    head_start: Callable[[float, int], float] = None,
-    repeats: int = 3,
-    draft_seconds: Callable[[int, int], float] | None = None,
-    target_seen: list[int] | None = None,
-) -> tuple[CostModel, list[int]]:
-    """`calibration.calibrate` (`repeats` rounds) over runners whose k-th forward of n tokens takes
-    `seconds(n, k)` on a fake clock (the draft's `draft_seconds(n, k)` where given), less
-    `head_start(pause, n)` for the target's forwards after a pause (as a streamed target reads ahead);
-    also returns the sizes forwarded, in order (the target's alone into `target_seen`)."""
-    from specexec import calibration
-
-    now = [0.0]
-    seen: list[int] = []
-
-    class FakeRunner:
-        def __init__(self, model, capacity) -> None:
-            self.device = torch.device("cpu")
-            self.is_target = model is models[0]
-            self.last_end = 0.0
-
-        def extend(self, tokens, logits_to_keep=1) -> None:
-            seen.append(tokens.numel())
-            if self.is_target and target_seen is not None:
-                target_seen.append(tokens.numel())
-            cost = seconds if self.is_target or draft_seconds is None else draft_seconds
-            took = cost(tokens.numel(), len(seen))
-            if head_start and self.is_target:
-                took -= head_start(now[0] - self.last_end, tokens.numel())
-            now[0] += took
-            self.last_end = now[0]
-
-        def keep(self, slots) -> None:
-            pass
-
-    def sleep(pause: float) -> None:
-        now[0] += pause
-
-    monkeypatch.setattr(calibration, "make_runner", FakeRunner)
-    monkeypatch.setattr(calibration, "clock", lambda device: now[0])
-    monkeypatch.setattr(calibration, "sleep", sleep)
-    target, draft, _ = models
-    return calibration.calibrate(target, draft, repeats=repeats, progress=False), seen
-
-
-def test_calibration_drift_moves_the_curve_without_bending_it(models, monkeypatch) -> None:
-    """The machine slows down steadily while calibrating: every forward costs its size times a factor that
-    grows with each forward. Sizes measured one after another would come out in the wrong proportions
-    (the last sizes timed at the slowest); timing each against the one-token forward just before it keeps
-    them (taking turns alone left a 12% bend)."""
-    cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: n * (1 + 0.05 * k))
-    for curve in (cost.target, cost.draft):
-        per_token = [seconds / n for n, seconds in curve.items()]
-        assert max(per_token) < 1.05 * min(per_token), curve
-
-
-def test_calibration_does_not_time_sizes_that_cannot_pay(models, monkeypatch) -> None:
-    """A CPU where cost grows with every token: sizes past REPAY_LIMIT one-token target passes are never
-    run (they would be the slowest to time), and the curve extrapolates past the last one timed."""
-    cost, seen = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.05 * n)
-    assert max(cost.target) == 31 and max(cost.draft) == 31  # 31 costs 31 > 20 passes; 32 never ran
-    assert max(n for n in seen if n != 256) == 31  # 256: the context
-    assert cost.target_seconds(64) == pytest.approx(3.2)
-
-
-def test_a_slow_target_is_timed_every_round_at_the_sizes_trees_use(models, monkeypatch) -> None:
-    """Slow models (a one-token forward of SLOW_FORWARD or more, as a streamed target's): sizes up to
-    SLOW_REPEATED are timed in every round, larger ones once, however many rounds."""
-    from specexec import calibration
-
-    for repeats in (3, 5):
-        cost, seen = calibrate_on_a_fake_clock(
-            models, monkeypatch, lambda n, k: 0.5 + 0.001 * n, repeats=repeats
-        )
-        assert max(cost.target) == 1024  # flat: every size pays
-        warm_up = len(calibration.TARGET_SIZES) + len(calibration.DRAFT_SIZES) + 2
-        timed = collections.Counter(seen[warm_up:])
-        for n in (3, 64):
-            assert timed[n] == 2 * repeats, timed  # every round, target and draft
-        assert timed[128] == 2 and timed[256] == 1, timed  # once per model (the draft stops at 128)
-
-
-def test_a_very_slow_target_is_timed_once_per_sparse_size(models, monkeypatch) -> None:
-    """A target whose one-token pass takes VERY_SLOW_FORWARD or more (a large model streamed from disk)
-    is timed once per size of SPARSE_SIZES, in the warm-up round: a quarter of the passes a slow one
-    takes, and the same curve from them. The draft beside it is timed as before."""
-    from specexec import calibration
-
-    def calibrated(one: float) -> tuple[CostModel, list[int]]:
-        target: list[int] = []
-        cost, _ = calibrate_on_a_fake_clock(
-            models, monkeypatch, lambda n, k: one + 0.01 * n, draft_seconds=lambda n, k: 0.01 * n,
-            target_seen=target,
-        )  # fmt: skip
-        return cost, target[1:]  # less the context's prefill
-
-    very_slow, very_slow_passes = calibrated(9.0)
-    assert sorted(very_slow.target) == list(calibration.SPARSE_SIZES)
-    for n in (1, 3, 16, 17, 100, 1024):
-        assert very_slow.target_seconds(n) == pytest.approx(9.0 + 0.01 * n, rel=1e-6), n
-    assert len(very_slow_passes) == 1 + 3 * (len(calibration.SPARSE_SIZES) - 1) + 3 * 3
-    slow, slow_passes = calibrated(0.5)
-    assert sorted(slow.target) == sorted(calibration.TARGET_SIZES)  # every size, in rounds
-    assert len(very_slow_passes) < len(slow_passes) / 4, (len(very_slow_passes), len(slow_passes))
-    assert sorted(very_slow.draft) == sorted(slow.draft) == sorted(calibration.DRAFT_SIZES)
-
-
-def test_calibration_times_what_a_pause_before_a_target_pass_saves(models, monkeypatch) -> None:
-    """A streamed target reads ahead while the draft works, up to its window: here a pass of up to 16
-    tokens after a pause is shorter by the pause, up to 0.2 s; a larger one is compute-bound and gains
-    nothing. The calibration finds those 0.2 s (its pause is as long as a pass, 0.5 s), and a curve that
-    charges a step drafting at least that long what it takes: the drafting plus the pass after it.
-    Nothing for a target in RAM."""
-    streamed, _ = calibrate_on_a_fake_clock(
-        models,
-        monkeypatch,
-        lambda n, k: 0.5 + 0.01 * n,
-        head_start=lambda pause, n: min(pause, 0.2) if n <= 16 else 0.0,
-    )
-    assert streamed.overlap == pytest.approx(0.2)
-    assert streamed.target_seconds(1) == pytest.approx(0.51)  # pass after pass, as plain decoding runs
-    for n, drafting in ((8, 0.3), (16, 0.2), (32, 0.3), (64, 0.4)):
-        step = float(streamed.exposed(torch.tensor(drafting))) + streamed.target_seconds(n)
-        head_start = min(drafting, 0.2) if n <= 16 else 0.0
-        assert step == pytest.approx(drafting + 0.5 + 0.01 * n - head_start), n
-    in_ram, _ = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.5 + 0.01 * n)
-    assert in_ram.overlap == 0.0
-    assert CostModel.from_json(streamed.to_json()).fingerprint() == streamed.fingerprint()
-
-
 def test_drafting_that_the_target_pass_takes_back_is_free(models, reference) -> None:
     """With an overlap, the first draft passes of a step cost nothing: chains and trees grow, exactly."""
     overlapped = CostModel(STEEP.target, STEEP.draft, overlap=0.3)
@@ -579,45 +413,6 @@ def test_auto_is_the_default_budget_of_specexec_and_dsl(models) -> None:
         assert default.stats.tree_sizes == explicit.stats.tree_sizes, method  # the same cost-sized steps
 
 
-def test_calibration_keeps_a_batch_that_costs_less_than_a_smaller_one(models, monkeypatch) -> None:
-    """llama.cpp's repacked kernels run rows in groups: 4 tokens can cost less than 3 (IQ4_NL on AVX-512:
-    1.56x against 2.1x of one). The machine meanwhile switches between two speeds, 1.8x apart, every 20
-    forwards. The calibration must keep both the dip and the proportions, and the policies must then
-    verify 4 tokens rather than 3."""
-    shape = {1: 1.0, 2: 1.55, 3: 2.1, 4: 1.56, 6: 2.7, 8: 3.0, 16: 4.1}
-
-    def seconds(n: int, k: int) -> float:
-        speed = 1.8 if (k // 20) % 2 else 1.0
-        return 0.1 * speed * (shape[n] if n in shape else n / 4)
-
-    cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, seconds)
-    for curve in (cost.target, cost.draft):
-        ratios = {n: curve[n] / curve[1] for n in shape if n in curve}
-        assert ratios == pytest.approx({n: shape[n] for n in ratios}, rel=0.02), ratios
-    assert cost.target_seconds(4) < cost.target_seconds(3)
-    assert cost.target_seconds(64) > cost.target_seconds(32) > cost.target_seconds(16)
-    # A chain of sure draft tokens does not stop at 2 (3 tokens verified) when 3 verify for less (the
-    # draft at a tenth of the target's cost: at the same cost no chain pays).
-    stop = ChainCostStop(CostModel(cost.target, {n: seconds / 10 for n, seconds in cost.draft.items()}))
-    assert chain_length(stop, 0.95, limit=3) == 3
-    # A tree of 2 sure nodes and a third as likely is verified whole (4 tokens), not cut at 3.
-    policy = AutoBudget(cost)
-    assert policy.best_size(torch.tensor([0.9, 0.8, 0.7]), draft_seconds=0.0)[0] == 3
-
-
-def test_calibration_sees_passes_step_up_past_a_multiple_of_16(models, monkeypatch) -> None:
-    """llama.cpp's CPU passes cost least at a multiple of 16 tokens and step up one token past it (the
-    1.5B target streamed from disk: 16 tokens 0.49 s, 17 0.54 s). Here each started block of 16 tokens
-    costs 0.1 s over 0.5 s. The curve must show the steps, and the auto budget must then verify trees
-    whose pass (the nodes and the root) fills its last block: 15, 31 or 63 nodes, not one more."""
-    cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, lambda n, k: 0.5 + 0.1 * -(-n // 16))
-    for tokens, seconds in ((16, 0.6), (17, 0.7), (24, 0.7), (32, 0.7), (33, 0.8), (64, 0.9), (65, 1.0)):
-        assert cost.target_seconds(tokens) == pytest.approx(seconds), tokens
-    policy = AutoBudget(cost)
-    ranked = [decay ** torch.arange(1.0, 64.0) for decay in (0.5, 0.85, 0.95)]  # 63 nodes, best first
-    assert [policy.best_size(probs, draft_seconds=0.0)[0] for probs in ranked] == [15, 31, 63]
-
-
 def test_speculation_gate_backs_off_fast_where_drafting_has_been_losing() -> None:
     from specexec.budget.gate import LOSING_MAX_PAUSE, SpeculationGate
 
@@ -665,102 +460,6 @@ def test_auto_methods_stop_drafting_where_it_cannot_pay_and_stay_exact(models, r
         out = auto_generate(models, method, hopeless)
         assert out.tokens == reference
         assert out.stats.tree_sizes.count(0) >= len(out.stats.tree_sizes) / 2, (method, out.stats.tree_sizes)
-
-
-def test_learnt_policies_carry_what_one_generation_learnt_into_the_next(models) -> None:
-    """With a draft that is rarely right, a fresh generation finds that out again every time, drafting
-    from its first steps; one that shares `LearntPolicies` with the generation before it drafts far
-    less. Outputs are exact either way."""
-    target, _, prompt = models
-    wrong = tiny(5)  # unrelated weights
-    cost = CostModel({1: 0.1, 4: 0.11, 16: 0.2}, {1: 0.02, 16: 0.05})
-    for method in ("specexec", "dsl"):
-        learnt = specexec.LearntPolicies()
-
-        def run(shared, method=method):
-            return specexec.generate(
-                target, wrong, prompt, method=method, budget="auto", cost_model=cost, max_new_tokens=48,
-                learnt=shared,
-            )  # fmt: skip
-
-        first, again, fresh = run(learnt), run(learnt), run(None)
-        assert again.tokens == fresh.tokens == first.tokens
-        assert fresh.stats.draft_calls == first.stats.draft_calls > 0
-        assert again.stats.draft_calls < fresh.stats.draft_calls / 2, method
-
-
-def test_saved_policies_keep_the_target_pace(tmp_path: Path) -> None:
-    """A new process starts at the pace the last one learnt, with λ in the units it was saved in."""
-    path = tmp_path / "pair.json"
-    cost = CostModel({1: 0.4, 16: 0.5, 64: 0.8}, {1: 0.02, 16: 0.1}, measured=True)
-    first = specexec.LearntPolicies(path)
-    policy = first.get(("pair",), ("setting",), lambda: AutoBudget(cost, max_budget=64))
-    for _ in range(60):
-        policy.observe_pass(1, 0.0, 1.5 * cost.target_seconds(1))
-    first.save()
-    again = specexec.LearntPolicies(path).get(
-        ("pair",), ("setting",), lambda: AutoBudget(cost, max_budget=64)
-    )
-    assert again.pace.factor == policy.pace.factor == pytest.approx(1.5, rel=0.01)
-    assert again.cost.target_seconds(16) == pytest.approx(0.75, rel=0.03)
-    assert again.gate.rate == pytest.approx(policy.gate.rate)
-    assert again.target_table.tolist() == pytest.approx((again.measured_table * policy.pace.factor).tolist())
-
-
-def test_saved_policies_start_a_new_process_where_the_last_one_stopped(models, tmp_path: Path) -> None:
-    """`save` then a new `LearntPolicies` on the same file (what one `specexec generate` after another
-    does): the second starts from what the first learnt; a damaged or foreign file starts fresh."""
-    target, _, prompt = models
-    wrong = tiny(5)
-    cost = CostModel({1: 0.1, 4: 0.11, 16: 0.2}, {1: 0.02, 16: 0.05})
-    path = tmp_path / "learnt" / "pair.json"
-
-    def run(learnt):
-        return specexec.generate(
-            target, wrong, prompt, method="specexec", budget="auto", cost_model=cost, max_new_tokens=48,
-            learnt=learnt,
-        )  # fmt: skip
-
-    first = specexec.LearntPolicies(path)
-    fresh = run(first)
-    first.save()
-    again = run(specexec.LearntPolicies(path))
-    assert again.tokens == fresh.tokens
-    assert again.stats.draft_calls < fresh.stats.draft_calls / 2
-    path.write_text("{not json")
-    assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
-    path.write_text('{"format": 0, "policies": {}}')
-    assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
-    first.save()
-    damaged = json.loads(path.read_text())
-    for state in damaged["policies"].values():
-        state["acceptance"]["tried"] = state["acceptance"]["tried"][:3]
-    path.write_text(json.dumps(damaged))
-    assert run(specexec.LearntPolicies(path)).stats.draft_calls == fresh.stats.draft_calls
-    other = CostModel({1: 0.1, 4: 0.12, 16: 0.2}, {1: 0.02, 16: 0.05})  # another calibration: not its state
-    first.save()
-    out = specexec.generate(
-        target, wrong, prompt, method="specexec", budget="auto", cost_model=other, max_new_tokens=48,
-        learnt=specexec.LearntPolicies(path),
-    )  # fmt: skip
-    assert out.stats.draft_calls > again.stats.draft_calls
-
-
-def test_learnt_rates_follow_the_last_observations() -> None:
-    from specexec.budget.acceptance import ACCEPTANCE_MEMORY
-    from specexec.budget.gate import RATE_MEMORY, SpeculationGate
-
-    model = AcceptanceModel()
-    for _ in range(4):
-        model.observe(torch.full((ACCEPTANCE_MEMORY,), 0.95), torch.ones(ACCEPTANCE_MEMORY, dtype=torch.bool))
-    model.observe(torch.full((ACCEPTANCE_MEMORY,), 0.95), torch.zeros(ACCEPTANCE_MEMORY, dtype=torch.bool))
-    assert float(model(torch.tensor([0.95]))[0]) == pytest.approx(0.5, abs=0.01)  # all-time: 0.8
-    gate = SpeculationGate(CostModel({1: 0.1, 64: 0.2}, {1: 0.05, 64: 0.1}))
-    for _ in range(RATE_MEMORY):
-        gate.record(1, 0.5)  # 2 tok/s
-    for _ in range(RATE_MEMORY // 2):
-        gate.record(10, 0.5)  # 20 tok/s, five memories' worth of tokens
-    assert gate.rate > 15  # all-time: 8
 
 
 def test_chain_pays_only_where_speculation_can_win() -> None:

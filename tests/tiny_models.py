@@ -177,3 +177,24 @@ def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
             expected_cells[j] += expected_cells.pop()
     assert len(expected_cells) >= 2, "test design: too few cells for a chi-square test"
     return float(chisquare(observed_cells, expected_cells).pvalue)
+
+
+def tiny_qwen(seed: int, noise: float = 0.0) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 with peaked distributions (initializer range 0.6), every weight perturbed by `noise`
+    (relative to a standard normal draw): the budget policies' test pair."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.6, eos_token_id=None,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return model
+
+
+def budget_pair() -> tuple[Qwen2ForCausalLM, Qwen2ForCausalLM, torch.Tensor]:
+    """A tiny target, a draft close to it, and a 7-token prompt."""
+    prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(1))
+    return tiny_qwen(0), tiny_qwen(0, noise=0.05), prompt

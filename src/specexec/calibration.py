@@ -42,7 +42,7 @@ SLOW_REPEATED = 64
 # one reading 28 GB a pass at 3 GB/s: 9 s) is timed once per size, on SPARSE_SIZES, each size in the
 # warm-up round itself, and its overlap from OVERLAP_SAMPLES pairs: 52 passes and 14 pauses as long as
 # one, where the rounds above take 222 passes and about 70 pauses (45 minutes at 9 s a pass, before a
-# first token; tests/test_budget.py counts them). Its passes are long against the jitter of one pass,
+# first token; tests/test_calibration.py counts them). Its passes are long against the jitter of one pass,
 # and it verifies large trees, for which the sizes between these matter less.
 VERY_SLOW_FORWARD = 2.0
 SPARSE_SIZES = (1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 128, 129, 256, 512, 1024)
