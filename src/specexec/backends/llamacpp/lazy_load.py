@@ -11,16 +11,20 @@ read at load, of which nothing stays).
 `madvise` and `posix_madvise` (its global offset table, the slots the dynamic linker fills) at wrappers
 that drop `MAP_POPULATE` and `WILLNEED`, and puts the entries back after. Nothing else changes: the
 mapping is the same, and the streamer reads the resident units in itself (`Streamer.populate_resident`).
-Where the entries cannot be found (another libc, a statically linked build), llama.cpp loads as it
-would, and a streamed load reads the whole file once, as before.
+The entries are found as the dynamic linker finds them: from the library's dynamic segment.
+Where they cannot be found (no C library to call, another machine, a statically linked build),
+llama.cpp loads as it would, a streamed load reads the whole file once, and one line on stderr says why.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import struct
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,69 +32,133 @@ from pathlib import Path
 MAP_POPULATE = 0x8000
 WILLNEED = 3  # MADV_WILLNEED and POSIX_MADV_WILLNEED on Linux
 PROT_READ, PROT_WRITE = 1, 2
-# Relocations that fill a pointer slot with a function's address: GLOB_DAT and JUMP_SLOT (x86-64, AArch64)
-_SLOT_RELOCATIONS = {6, 7, 1025, 1026}
-_SHT_RELA, _SHT_DYNSYM = 4, 11
+_WRAPPED = (b"mmap", b"mmap64", b"madvise", b"posix_madvise")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+# ELF (64-bit): the identification bytes, machines, segment kinds and dynamic entry tags read here
+_ELF_MAGIC, _ELFCLASS64, _ELFDATA2LSB = b"\x7fELF", 2, 1
+_EM_X86_64, _EM_AARCH64 = 62, 183
+# Relocations that fill a pointer slot with a function's address (GLOB_DAT, JUMP_SLOT): numbered per machine
+_SLOT_RELOCATIONS = {_EM_X86_64: {6, 7}, _EM_AARCH64: {1025, 1026}}
+_PT_LOAD, _PT_DYNAMIC = 1, 2
+_DT_NULL, _DT_PLTRELSZ, _DT_STRTAB, _DT_SYMTAB, _DT_RELA, _DT_RELASZ = 0, 2, 5, 6, 7, 8
+_DT_RELAENT, _DT_SYMENT, _DT_PLTREL, _DT_JMPREL = 9, 11, 20, 23
+_ELF64_RELA_SIZE = _ELF64_SYM_SIZE = 24
+
 _MMAP = ctypes.CFUNCTYPE(
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
 )
 _ADVISE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_real_mmap = _MMAP(("mmap", _libc))
-_real_madvise = _ADVISE(("madvise", _libc))
-_real_posix_madvise = _ADVISE(("posix_madvise", _libc))
+
+# One load at a time: a second one would save the first one's wrappers as the entries to put back.
+_patching = threading.Lock()
+_told_why = False
 
 
-@_MMAP
-def _mmap_lazily(address, length, prot, flags, fd, offset):
-    return _real_mmap(address, length, prot, flags & ~MAP_POPULATE, fd, offset)
+class _NotFound(Exception):
+    """Why libllama's entries cannot be pointed at the wrappers: the load then goes on as llama.cpp's."""
 
 
-@_ADVISE
-def _madvise_but_willneed(address, length, advice):
-    return 0 if advice == WILLNEED else _real_madvise(address, length, advice)
+class _CLibrary:
+    """The C library's `mprotect`, and a wrapper of each function in _WRAPPED calling the real one."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mprotect = libc.mprotect
+        self.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        real_mmap = _MMAP(("mmap", libc))
+        real_madvise = _ADVISE(("madvise", libc))
+        real_posix_madvise = _ADVISE(("posix_madvise", libc))
+
+        @_MMAP
+        def mmap_lazily(address, length, prot, flags, fd, offset):
+            return real_mmap(address, length, prot, flags & ~MAP_POPULATE, fd, offset)
+
+        @_ADVISE
+        def madvise_but_willneed(address, length, advice):
+            return 0 if advice == WILLNEED else real_madvise(address, length, advice)
+
+        @_ADVISE
+        def posix_madvise_but_willneed(address, length, advice):
+            return 0 if advice == WILLNEED else real_posix_madvise(address, length, advice)
+
+        # Kept here, alive for the process: an entry may point at them while llama.cpp loads.
+        self.wrappers = {
+            b"mmap": mmap_lazily,
+            b"mmap64": mmap_lazily,
+            b"madvise": madvise_but_willneed,
+            b"posix_madvise": posix_madvise_but_willneed,
+        }
+
+    def address(self, name: bytes) -> int:
+        return ctypes.cast(self.wrappers[name], ctypes.c_void_p).value
 
 
-@_ADVISE
-def _posix_madvise_but_willneed(address, length, advice):
-    return 0 if advice == WILLNEED else _real_posix_madvise(address, length, advice)
-
-
-_WRAPPERS = {
-    b"mmap": _mmap_lazily,
-    b"mmap64": _mmap_lazily,
-    b"madvise": _madvise_but_willneed,
-    b"posix_madvise": _posix_madvise_but_willneed,
-}
+@functools.cache
+def _c_library() -> _CLibrary:
+    """Looked up on first use, not at import: importing the backend must not need a C library reachable
+    through `dlopen(NULL)` (Windows has none)."""
+    try:
+        return _CLibrary()
+    except (OSError, TypeError, AttributeError) as error:
+        raise _NotFound(f"no C library to call: {error}") from None
 
 
 @contextmanager
 def unpopulated(library: Path | None) -> Iterator[None]:
     """While the block runs, the shared library `library` (libllama) maps files without MAP_POPULATE and
     its WILLNEED advice does nothing (where its entries are found: else it loads as it would)."""
-    slots = _slots(library) if library is not None else []
-    saved = []
+    with _patching:
+        try:
+            entries = _entries(library)
+        except _NotFound as why:
+            _tell_once(str(why))
+            entries = []
+        saved = []
+        try:
+            for slot, wrapper in entries:
+                saved.append((slot, _swap(slot, wrapper)))
+            yield
+        finally:
+            for slot, original in reversed(saved):
+                _swap(slot, original)
+
+
+def _entries(library: Path | None) -> list[tuple[int, int]]:
+    """(slot address, wrapper address) for each of the library's entries to point at a wrapper."""
+    if library is None:
+        raise _NotFound("llama-cpp-python does not say where its libllama is")
+    c_library = _c_library()
     try:
-        for slot, wrapper in slots:
-            saved.append((slot, _swap(slot, ctypes.cast(wrapper, ctypes.c_void_p).value)))
-        yield
-    finally:
-        for slot, original in reversed(saved):
-            _swap(slot, original)
+        slots = _slots(library)
+    except _NotFound as why:
+        raise _NotFound(f"{library.name}: {why}") from None
+    if not slots:
+        raise _NotFound(f"{library.name} has no entries for {', '.join(n.decode() for n in _WRAPPED)}")
+    return [(slot, c_library.address(name)) for slot, name in slots]
+
+
+def _tell_once(why: str) -> None:
+    """One line on stderr, the first time only: a load reading the whole file is slow, not wrong."""
+    global _told_why
+    if not _told_why:
+        _told_why = True
+        print(
+            f"specexec: a streamed model's file will be read whole at load, as llama.cpp reads it ({why})",
+            file=sys.stderr,
+        )
 
 
 def _swap(slot: int, value: int) -> int:
     """Write the pointer at `slot`, making its page writable meanwhile; return what it held."""
+    mprotect = _c_library().mprotect
     page = slot // mmap.PAGESIZE * mmap.PAGESIZE
     protection = _protection(slot)
-    if not protection & PROT_WRITE and _libc.mprotect(page, mmap.PAGESIZE, protection | PROT_WRITE) != 0:
+    if not protection & PROT_WRITE and mprotect(page, mmap.PAGESIZE, protection | PROT_WRITE) != 0:
         raise OSError(ctypes.get_errno(), "mprotect failed on libllama's offset table")
     cell = ctypes.c_void_p.from_address(slot)
     old, cell.value = cell.value, value
     if not protection & PROT_WRITE:
-        _libc.mprotect(page, mmap.PAGESIZE, protection)
+        mprotect(page, mmap.PAGESIZE, protection)
     return old
 
 
@@ -105,16 +173,23 @@ def _protection(address: int) -> int:
     raise OSError(f"no mapping holds {address:#x}")
 
 
-def _slots(library: Path) -> list[tuple[int, object]]:
-    """(address, wrapper) of each of the library's slots for a function in _WRAPPERS, in this process."""
-    base = _load_base(library)
-    if base is None:
-        return []
+def _slots(library: Path) -> list[tuple[int, bytes]]:
+    """(address in this process, function name) of each of the library's slots for a function in
+    _WRAPPED. Raises _NotFound where the library cannot be read or is not loaded."""
     try:
         image = library.read_bytes()
-        return [(base + offset, _WRAPPERS[name]) for offset, name in _relocations(image) if name in _WRAPPERS]
-    except (OSError, struct.error, IndexError, ValueError):
+    except OSError as error:
+        raise _NotFound(f"cannot be read ({error.strerror})") from None
+    try:
+        wrapped = [(slot, name) for slot, name in _relocations(image) if name in _WRAPPED]
+    except (struct.error, IndexError, KeyError, ValueError):
+        raise _NotFound("a malformed ELF file") from None
+    if not wrapped:
         return []
+    base = _load_base(library)
+    if base is None:
+        raise _NotFound("not found in this process's memory map")
+    return [(base + slot, name) for slot, name in wrapped]
 
 
 def _load_base(library: Path) -> int | None:
@@ -132,25 +207,74 @@ def _load_base(library: Path) -> int | None:
 
 
 def _relocations(image: bytes) -> list[tuple[int, bytes]]:
-    """(slot offset, symbol name) of every pointer-slot relocation of a little-endian ELF64 image."""
-    if image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
+    """(slot's virtual address, symbol name) of every pointer-slot relocation of an ELF image, read as the
+    dynamic linker reads them: from the dynamic segment (section headers may be stripped)."""
+    slot_kinds = _SLOT_RELOCATIONS[_machine(image)]
+    (phoff,) = struct.unpack_from("<Q", image, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", image, 0x36)
+    segments = [struct.unpack_from("<IIQQQQQQ", image, phoff + i * phentsize) for i in range(phnum)]
+    # (file offset, virtual address, size in the file) of each PT_LOAD segment
+    loads = [
+        (offset, vaddr, filesz) for kind, _, offset, vaddr, _, filesz, _, _ in segments if kind == _PT_LOAD
+    ]
+    dynamic = [(offset, filesz) for kind, _, offset, _, _, filesz, _, _ in segments if kind == _PT_DYNAMIC]
+    if not dynamic:
+        raise _NotFound("no dynamic segment (a statically linked build?)")
+    entries = _dynamic_entries(image, *dynamic[0])
+
+    def file_offset(address: int) -> int:
+        for offset, vaddr, filesz in loads:
+            if vaddr <= address < vaddr + filesz:
+                return offset + address - vaddr
+        raise _NotFound(f"dynamic entry address {address:#x} is in no loaded segment")
+
+    tables = []  # (virtual address, size) of each table of relocations with addends: general, then PLT
+    if _DT_RELA in entries:
+        tables.append((entries[_DT_RELA], entries[_DT_RELASZ]))
+    if _DT_JMPREL in entries:
+        if entries.get(_DT_PLTREL) != _DT_RELA:
+            raise _NotFound("its PLT relocations are not of the RELA kind these machines use")
+        tables.append((entries[_DT_JMPREL], entries[_DT_PLTRELSZ]))
+    if not tables:
         return []
-    (shoff,) = struct.unpack_from("<Q", image, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", image, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)]
+    symbols, names = file_offset(entries[_DT_SYMTAB]), file_offset(entries[_DT_STRTAB])
+    relocation_size = entries.get(_DT_RELAENT, _ELF64_RELA_SIZE)
+    symbol_size = entries.get(_DT_SYMENT, _ELF64_SYM_SIZE)
     found = []
-    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
-        if kind != _SHT_RELA or sections[link][1] != _SHT_DYNSYM:
-            continue
-        symbols, names = sections[link][4], sections[sections[link][6]][4]
-        for at in range(offset, offset + size, entsize or 24):
+    for address, size in tables:
+        start = file_offset(address)
+        for at in range(start, start + size, relocation_size):
             slot, info, _ = struct.unpack_from("<QQq", image, at)
-            if info & 0xFFFFFFFF not in _SLOT_RELOCATIONS:
+            if info & 0xFFFFFFFF not in slot_kinds:
                 continue
-            (name_at,) = struct.unpack_from("<I", image, symbols + (info >> 32) * 24)
-            start = names + name_at
-            found.append((slot, image[start : image.index(b"\0", start)]))
+            (name_at,) = struct.unpack_from("<I", image, symbols + (info >> 32) * symbol_size)
+            name_start = names + name_at
+            found.append((slot, image[name_start : image.index(b"\0", name_start)]))
     return found
+
+
+def _machine(image: bytes) -> int:
+    """The image's e_machine, where it is a 64-bit little-endian ELF file for a machine whose slot
+    relocations are known here; else _NotFound."""
+    if image[:4] != _ELF_MAGIC:
+        raise _NotFound("not an ELF file")
+    if image[4] != _ELFCLASS64 or image[5] != _ELFDATA2LSB:
+        raise _NotFound("not a 64-bit little-endian ELF file")
+    (machine,) = struct.unpack_from("<H", image, 0x12)
+    if machine not in _SLOT_RELOCATIONS:
+        raise _NotFound(f"unsupported machine, ELF e_machine {machine}")
+    return machine
+
+
+def _dynamic_entries(image: bytes, offset: int, size: int) -> dict[int, int]:
+    """The dynamic segment's entries, tag to value, up to DT_NULL."""
+    entries = {}
+    for at in range(offset, offset + size, 16):
+        tag, value = struct.unpack_from("<qQ", image, at)
+        if tag == _DT_NULL:
+            break
+        entries[tag] = value
+    return entries
 
 
 def libllama_path() -> Path | None:
