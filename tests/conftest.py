@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,3 +34,28 @@ def _one_intra_op_thread(request: pytest.FixtureRequest):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def tokenized_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny qwen2 GGUF with a byte-level BPE tokenizer (test_models), caches kept in the test's folder."""
+    from test_models import write_tiny_gguf
+
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    return tmp_path / "tiny.gguf"
+
+
+@pytest.fixture
+def inference_mode():
+    """The drafter tests run as the engine does: under `torch.inference_mode`."""
+    with torch.inference_mode():
+        yield
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    """The drafter tests' tiny draft model (tests/drafting.py)."""
+    from drafting import drafting_model
+
+    return drafting_model()
