@@ -312,7 +312,7 @@ def test_records_interleaving_and_recompute(greedy, tmp_path: Path) -> None:
         assert 0 <= record["draft_seconds"] + record["target_seconds"] <= record["decode_seconds"] + 1e-6
 
     machine = machine_info(dtype="float32", command="specexec bench --test", target="t", draft="d")
-    paths = write_outputs(tmp_path, result, machine)
+    paths = write_outputs(tmp_path, result.records, result.rows, machine)
     assert summarize(read_records(paths["records.jsonl"])) == result.rows
     saved = json.loads(paths["results.json"].read_text())
     assert isinstance(saved, list) and len(saved) == len(configs)

@@ -289,7 +289,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         backend=last.backend_label,
         llama_cpp=llama_cpp,
     )
-    paths = write_outputs(args.out, result, machine)
+    paths = write_outputs(args.out, result.records, result.rows, machine)
     _print_rows(result.rows)
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0

@@ -42,7 +42,6 @@ from specexec.bench.methods import BUDGET_METHODS
 
 if TYPE_CHECKING:
     from specexec.backends.base import WeightsMemory
-    from specexec.bench.core import BenchResult
 
 _SUMS = (
     "prompt_tokens",
@@ -284,9 +283,15 @@ def read_records(path: str | os.PathLike) -> list[dict]:
 
 
 def write_outputs(
-    out_dir: str | os.PathLike, result: BenchResult, machine: dict, *, plots: bool = True
+    out_dir: str | os.PathLike,
+    records: Sequence[dict],
+    rows: Sequence[dict],
+    machine: dict,
+    *,
+    plots: bool = True,
 ) -> dict[str, Path]:
-    """Write results.json, results.md, records.jsonl and (with `plots`) the two PNGs; return their paths."""
+    """Write results.json (`rows`, each with the `machine`), results.md, records.jsonl and (with `plots`)
+    the two PNGs; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -294,14 +299,14 @@ def write_outputs(
         "results.md": out / "results.md",
         "records.jsonl": out / "records.jsonl",
     }
-    rows = [{**row, "machine": machine} for row in result.rows]
-    paths["results.json"].write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    described = [{**row, "machine": machine} for row in rows]
+    paths["results.json"].write_text(json.dumps(described, indent=2) + "\n", encoding="utf-8")
     with paths["records.jsonl"].open("w", encoding="utf-8") as f:
-        for record in result.records:
+        for record in records:
             f.write(json.dumps(record) + "\n")
     if plots:
-        paths.update(write_plots(out, result.rows))
-    paths["results.md"].write_text(markdown(result.rows, machine, plots=plots), encoding="utf-8")
+        paths.update(write_plots(out, rows))
+    paths["results.md"].write_text(markdown(rows, machine, plots=plots), encoding="utf-8")
     return paths
 
 
