@@ -679,3 +679,16 @@ def test_drafters_ask_their_policies_only_through_the_narrow_interface(
         drafter.observe(proposal, [1], 0.1)
         seen.append((proposal.tree.tokens[: proposal.tree.size].tolist(), snapshot(policy)))
     assert seen[0] == seen[1]
+
+
+def test_auto_budget_verifies_larger_trees_where_amx_makes_blocks_cheap() -> None:
+    """The 1.5B target on a 2-core Xeon with AMX, measured with llama.cpp's AMX kernels on and off
+    (../shared/notes/amx-crash.md; the same 0.5B draft): the policy finds the cheap blocks from the costs
+    alone, without being told, and grows its trees where verifying 4-16 tokens costs little more than one."""
+    draft = {1: 0.0286, 8: 0.0734, 16: 0.1262}
+    amx = CostModel({1: 0.0749, 4: 0.1345, 8: 0.1564, 16: 0.2121, 32: 0.3382, 64: 0.6349}, draft)
+    plain = CostModel({1: 0.074, 2: 0.1058, 4: 0.1582, 8: 0.2446, 16: 0.2684, 32: 0.3588, 64: 0.670}, draft)
+    ranked = torch.tensor([0.6 ** (i + 1) for i in range(32)])  # a chain, each token accepted at 0.6
+    sizes = {name: AutoBudget(cost, max_budget=255).best_size(ranked, 0.0)[0] for name, cost in
+             (("amx", amx), ("plain", plain))}  # fmt: skip
+    assert sizes["amx"] > sizes["plain"] >= 1, sizes
