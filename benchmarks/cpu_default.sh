@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 17's goals for the default on the llama.cpp backend (docs/benchmarks.md, "Goals (issue 17) on this
-# machine"): `specexec` and `dsl` with budget auto next to `ar` and plain llama.cpp, greedy and T=0.6,
+# Issue 17's goals for the default on the llama.cpp backend (docs/benchmarks.md, "In RAM: the llama.cpp
+# backend"): `specexec` and `dsl` with budget auto next to `ar` and plain llama.cpp, greedy and T=0.6,
 # MT-Bench and HumanEval, 2 threads, each run timed twice, the draft's whole head against the default
-# (`--draft-vocab auto`: 64,000 ids on llama.cpp). Then what would make verification cheap on this
-# CPU: the target's forward costs in several GGUF weight types, and the w4a8 kernel of the torch backend
-# against plain llama.cpp on the same prompts; last, tokens per target call of specexec@64 on both backends.
+# (`--draft-vocab auto`: 64,000 ids on llama.cpp). Then what would make verification cheap on this CPU: the
+# target's forward costs in several GGUF weight types, and the w4a8 kernel of the torch backend against plain
+# llama.cpp on the same prompts; last, tokens per target call of specexec@64 on both backends.
 set -euo pipefail
 out=${1:-bench-out}
 for temp in 0 0.6; do

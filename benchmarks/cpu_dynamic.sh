@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 4's CPU benchmark (docs/benchmarks.md, "Dynamic speculation"): the real pair in bfloat16, every
-# method at its defaults next to the sweeps it must beat, MT-Bench and HumanEval, greedy and T=0.6, one run
-# per prompt set and temperature, on an otherwise idle machine. Each run starts from a fresh calibration
-# (this machine's speed and the shape of its cost curves drift over minutes) and times every run twice,
-# the order reversed the second time (--repeats 2).
+# Issue 4's CPU benchmark (docs/benchmarks.md, "In RAM: the torch backend and quantized weights"): the real
+# pair in bfloat16, every method at its defaults next to the sweeps it must beat, MT-Bench and HumanEval,
+# greedy and T=0.6, one run per prompt set and temperature, on an otherwise idle machine. Each run starts from
+# a fresh calibration (this machine's speed and the shape of its cost curves drift over minutes) and times
+# every run twice, the order reversed the second time (--repeats 2).
 set -euo pipefail
 out=${1:-bench-out}
 common=(--methods ar,sd,dsl,specexec,hf-assisted --sd-budgets 2,3,4,6,8 --dsl-budgets auto

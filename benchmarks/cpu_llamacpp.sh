@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 17's CPU benchmark (docs/benchmarks.md, "The llama.cpp backend"): the real pair's Q4_K_M GGUFs run
-# by llama.cpp, every method of ours on the llama.cpp backend next to plain llama.cpp (`llamacpp`) and
-# llama.cpp's own speculative decoding (`llamacpp-spec`), HumanEval and MT-Bench, greedy and T=0.6, 2
-# threads. Each column starts from a fresh calibration and times every run twice, the order reversed the
-# second time (--repeats 2). Then specexec@64 on the torch backend, greedy HumanEval, for tokens per
-# target call of the same algorithm with the other kernels.
+# Issue 17's CPU benchmark (docs/benchmarks.md, "In RAM: the llama.cpp backend"): the real pair's Q4_K_M GGUFs
+# run by llama.cpp, every method of ours on the llama.cpp backend next to plain llama.cpp (`llamacpp`) and
+# llama.cpp's own speculative decoding (`llamacpp-spec`), HumanEval and MT-Bench, greedy and T=0.6, 2 threads.
+# Each column starts from a fresh calibration and times every run twice, the order reversed the second time
+# (--repeats 2). Then specexec@64 on the torch backend, greedy HumanEval, for tokens per target call of the
+# same algorithm with the other kernels.
 set -euo pipefail
 out=${1:-bench-out}
 common=(--backend llamacpp --threads 2 --methods ar,llamacpp,llamacpp-spec,sd,dsl,specexec

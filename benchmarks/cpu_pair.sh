@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CPU benchmark of docs/benchmarks.md: the real pair (Qwen2.5-Coder 0.5B drafting for 1.5B), bfloat16,
-# run one after another on an otherwise idle machine. Writes bench-out/<name>/{results.json,results.md,...}.
+# The first CPU benchmark (docs/benchmarks-history.md, 2026-11-29): the real pair (Qwen2.5-Coder 0.5B drafting
+# for 1.5B), bfloat16, run one after another on an otherwise idle machine. Writes
+# bench-out/<name>/{results.json,results.md,...}.
 set -euo pipefail
 out=${1:-bench-out}
 specexec calibrate

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31's steadier comparisons (docs/benchmarks.md, "Bigger than RAM, session 17"): 8 prompts instead of
+# Issue 31's steadier comparisons (docs/benchmarks.md, "Bigger than RAM"): 8 prompts instead of
 # cpu_stream.sh's 3, `ar`, llama.cpp's own speculation at its best length and `specexec --budget auto`,
 # the 1.5B target streamed from disk. Sampled outputs differ from method to method, so over 3 prompts the
 # texts themselves move the ratios; 8 prompts move them less. Uses the calibration cached per mode
@@ -26,7 +26,7 @@ specexec bench --prompts humaneval --ram 512MiB "${common[@]}" "${sampled[@]}" \
   --methods ar,llamacpp,llamacpp-spec,specexec --llamacpp-spec-budgets 8 --out "$out/stream-512MiB-humaneval-t0.6-8"
 specexec bench --prompts mtbench --ram 512MiB "${common[@]}" "${sampled[@]}" \
   --methods ar,llamacpp,llamacpp-spec,specexec --llamacpp-spec-budgets 8 --out "$out/stream-512MiB-mtbench-t0.6-8"
-# The auto budget against fixed ones (session 18), in two modes.
+# The auto budget against fixed ones, in two modes.
 specexec bench --prompts humaneval --ram 0 "${common[@]}" "${sampled[@]}" --methods specexec \
   --budgets auto,8,16,32 --out "$out/budgets-0-humaneval-t0.6-8"
 specexec bench --prompts mtbench --ram 512MiB "${common[@]}" --methods specexec --budgets auto,8,16,32 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31's unmet goals against the pair's ceiling (docs/benchmarks.md, "Bigger than RAM, session 23"):
+# Issue 31's unmet goals against the pair's ceiling (docs/benchmarks.md, "Bigger than RAM"):
 # the configurations where specexec stayed under 3x `ar` or 1.3x llama.cpp's speculation, with fixed
 # budgets up to 64 beside `--budget auto`. Each row's target-bound tok/s (new tokens / seconds in the
 # target's forwards) is what its trees would give were drafting free. Same 8 prompts and settings as

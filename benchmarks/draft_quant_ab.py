@@ -1,7 +1,7 @@
 """`specexec --budget auto` with the packaged draft against a requantized copy of it, paired: the two
 drafts take turns on every prompt in one process beside the same streamed target, so the disk's and the
-machine's drift between runs moves both alike (session 25's separate runs found the Q4_0 copy 8% behind
-on MT-Bench at T=0.6 at --ram 0; paired, session 27, level).
+machine's drift between runs moves both alike (separate runs on 2026-12-05 found the Q4_0 copy 8% behind
+on MT-Bench at T=0.6 at --ram 0; paired the same day, level; docs/benchmarks.md, "Bigger than RAM").
 
     python benchmarks/draft_quant_ab.py --ram 512MiB --runs humaneval:0,humaneval:0.6,mtbench:0,mtbench:0.6
         [--quant q4_0] [--recalibrate]

@@ -1,5 +1,5 @@
 """What a generation costs beyond the models' forwards, on the llama.cpp backend with the default pair
-(docs/benchmarks.md, "What a generation costs beyond its forwards (session 10)").
+(docs/benchmarks-history.md, 2026-12-02, "What a generation costs beyond its forwards").
 
 Several generations in one process, as in the benchmark, the server and a loop over the Python API. Per
 generation: the wall time outside prefill and decode (making the runners: llama.cpp contexts), and per

@@ -1,5 +1,5 @@
 """What one llama.cpp forward over n tokens costs for several weight types of the same model
-(docs/benchmarks.md, "Would another GGUF type make verification cheap?").
+(docs/benchmarks-history.md, 2026-12-01, "Would another GGUF type make verification cheap?").
 
 Speculation pays when verifying a block costs little more than decoding one token: t(16)/t(1) at most
 about 3 is issue 17's bar for "cheap verification". The packaged target is Q4_K_M; this script writes

@@ -1,11 +1,11 @@
 """The auto policies' speed in cost-model time: a comparison that this machine's noise cannot move.
 
-Each drafted step is charged the time the speculation gate records for it (the cost model's estimate of
-its draft passes, the draft's catch-up included, and its verification), each plain step one one-token
-target pass; the figure is that against plain decoding's t(1) per token. Outputs and policy decisions are
-the real ones (llama.cpp backend, the pair's cached calibration); only the clock is the model's, which
-tracked wall time within about 10% per step in session 7's traces (docs/benchmarks.md). Use it to compare
-policy rules: a bench run of the same prompts moves by ±10% from run to run on a shared 2-core machine.
+Each drafted step is charged the time the speculation gate records for it (the cost model's estimate of its
+draft passes, the draft's catch-up included, and its verification), each plain step one one-token target pass;
+the figure is that against plain decoding's t(1) per token. Outputs and policy decisions are the real ones
+(llama.cpp backend, the pair's cached calibration); only the clock is the model's, which tracked wall time
+within about 10% per step in the traces of 2026-12-02 (docs/benchmarks-history.md). Use it to compare policy
+rules: a bench run of the same prompts moves by ±10% from run to run on a shared 2-core machine.
 
     python benchmarks/modelled_policies.py --prompts mtbench --temperature 0.6 --draft-vocab 64000
 """

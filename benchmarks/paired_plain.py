@@ -1,5 +1,5 @@
-"""Our decoding loop against plain llama.cpp's, paired prompt by prompt (docs/benchmarks.md, "A second
-AVX2 host, and our loop paired with plain llama.cpp's (session 12)").
+"""Our decoding loop against plain llama.cpp's, paired prompt by prompt (docs/benchmarks.md, "In RAM: the
+llama.cpp backend", the Zen 2 host).
 
 A benchmark run compares methods through totals of a few generations each, and this machine's drift moves
 such a ratio by several percent. Here every round decodes the same prompt with plain llama.cpp

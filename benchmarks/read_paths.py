@@ -4,8 +4,8 @@
 
 - `page cache`: per unit, `posix_fadvise(WILLNEED)` in 4 MiB requests, `madvise(MADV_POPULATE_READ)` on a
   mapping of the file, then `madvise(MADV_DONTNEED)` and `posix_fadvise(DONTNEED)`: what the reader and
-  the drop behind it did through session 18, one unit after another;
-- `O_DIRECT + ring`: per unit, `stream._Ring` as the reader uses it: `O_DIRECT` reads into a ring of three
+  the drop behind it did until 2026-12-04, one unit after another;
+- `O_DIRECT + ring`: per unit, `os_calls.Ring` as the reader uses it: `O_DIRECT` reads into a ring of three
   units (a memfd, allocated once), mapped over the unit's pages (`MAP_FIXED | MAP_POPULATE`), then the
   file mapped back.
 Both start with the file out of the page cache. CPU is this process's (user + system), from getrusage.
@@ -18,7 +18,7 @@ import os
 import resource
 import time
 
-from specexec.backends.llamacpp import stream
+from specexec.backends.llamacpp.stream import os_calls
 from specexec.models import DEFAULT_TARGET, gguf_file
 
 MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>
@@ -31,16 +31,16 @@ def cpu_seconds() -> float:
 
 def page_cache(base: int, fd: int, units: list[tuple[int, int]]) -> None:
     for start, end in units:
-        stream.populate(base, fd, start, end)
-        stream.drop(base, fd, start, end)
+        os_calls.populate(base, fd, start, end)
+        os_calls.drop(base, fd, start, end)
 
 
-def direct(ring: stream._Ring, base: int, fd: int, units: list[tuple[int, int]]) -> None:
+def direct(ring: os_calls.Ring, base: int, fd: int, units: list[tuple[int, int]]) -> None:
     for g, (start, end) in enumerate(units):
         at = ring.take(g, end - start)
         pieces = ring.read(at, [(start, end)])
-        ring.map_in(base, pieces)
-        ring.map_out(base, fd, pieces)
+        ring.map_in((base,), pieces)
+        ring.map_out((base,), [fd], pieces)
         ring.give_back(g)
 
 
@@ -56,11 +56,12 @@ def main() -> None:
     units = [(2**20 + i * unit, 2**20 + (i + 1) * unit) for i in range(args.mib * 2**20 // unit)]
     fd = os.open(gguf, os.O_RDONLY)
     size = os.fstat(fd).st_size
-    base = stream._libc.mmap(None, size, stream.PROT_READ, stream.MAP_SHARED, fd, 0)  # as llama.cpp maps it
-    stream._libc.madvise(base, size, stream.MADV_RANDOM)
+    # As llama.cpp maps it.
+    base = os_calls._libc.mmap(None, size, os_calls.PROT_READ, os_calls.MAP_SHARED, fd, 0)
+    os_calls._libc.madvise(base, size, os_calls.MADV_RANDOM)
     # The ring's memory allocated first, as after a generation's first pass (not timed).
-    ring = stream._Ring(gguf, 3 * unit)
-    stream._libc.madvise(ring.address, ring.size, MADV_POPULATE_WRITE)
+    ring = os_calls.Ring((gguf,), 3 * unit)
+    os_calls._libc.madvise(ring.address, ring.size, MADV_POPULATE_WRITE)
     ways = {
         "page cache": lambda: page_cache(base, fd, units),
         "O_DIRECT + ring": lambda: direct(ring, base, fd, units),
@@ -69,12 +70,12 @@ def main() -> None:
     print("| way | wall s | CPU s |\n|---|---:|---:|")
     for _ in range(args.repeats):
         for name, read in ways.items():
-            stream.evict(gguf)
+            os_calls.evict(gguf)
             wall, cpu = time.perf_counter(), cpu_seconds()
             read()
             print(f"| {name} | {time.perf_counter() - wall:.3f} | {cpu_seconds() - cpu:.3f} |")
     ring.close()
-    stream._libc.munmap(base, size)
+    os_calls._libc.munmap(base, size)
     os.close(fd)
 
 

@@ -1,6 +1,6 @@
 """Write a GGUF as a split GGUF (`llama-gguf-split`'s layout: NAME-00001-of-0000N.gguf and its siblings),
 files of at most --max-size bytes, to check that `--ram` streams a split model as it does the single
-file (docs/benchmarks.md, session 29).
+file (docs/benchmarks-history.md, 2026-12-06, "Split GGUFs").
 
     python benchmarks/split_gguf.py SOURCE.gguf DEST/NAME.gguf --max-size 400MiB
 """

@@ -20,7 +20,9 @@ their own, untimed: the memory goal).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -31,6 +33,7 @@ import torch
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.library import llama_cpp_library
 from specexec.backends.llamacpp.model import LlamaCppModel
+from specexec.backends.llamacpp.stream import reader
 from specexec.models import DEFAULT_TARGET, gguf_file
 from specexec.sizes import parse_size
 from specexec.storage import read_bytes
@@ -43,7 +46,7 @@ class Listener:
     """Hears each layer's end through llama.cpp's eval callback, as a `Streamer` does, and does nothing."""
 
     def __init__(self) -> None:
-        self.eval_callback = stream.eval_callback(self)
+        self.eval_callback = stream.LayerEvents(self).callback
 
     def layer_done(self, layer: int) -> None:
         pass
@@ -64,12 +67,16 @@ class Listener:
 @contextmanager
 def page_cache_reads():
     """Streamers made meanwhile read through the page cache, as where O_DIRECT is refused."""
-    open_ring = stream.Streamer._open_ring
-    stream.Streamer._open_ring = lambda self: None
+    ring = reader.Ring
+
+    def refused(*args) -> None:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    reader.Ring = refused
     try:
         yield
     finally:
-        stream.Streamer._open_ring = open_ring
+        reader.Ring = ring
 
 
 @contextmanager

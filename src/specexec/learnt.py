@@ -19,11 +19,11 @@ class LearntPolicies:
     """What the auto budgets learn (acceptance rates, the speculation gate and the achieved rate λ, the
     target's pace against the calibration), kept across generations.
 
-    Pass the same object to every `stream` call that should share it (a server, a benchmark): each
-    generation then starts from what the ones before it learnt, instead of from the draft's own
-    probabilities and an open gate, and does not pay again to find out that drafting loses on this
-    kind of text (measured on MT-Bench, docs/benchmarks.md). One policy per model pair, method, sampling
-    rule and cost model; generations sharing one must not run at the same time.
+    Pass the same object to every `stream` call that should share it (a server, a benchmark): each generation
+    then starts from what the ones before it learnt, instead of from the draft's own probabilities and an open
+    gate, and does not pay again to find out that drafting loses on this kind of text (measured on MT-Bench,
+    docs/benchmarks-history.md). One policy per model pair, method, sampling rule and cost model; generations
+    sharing one must not run at the same time.
 
     With `path` (one file per model pair: `calibration.persisted_policies`), policies start from what
     `save` last wrote there, so a new process (one `specexec generate`) starts where the last one

@@ -96,7 +96,7 @@ class TargetPace:
 
     A calibration is a snapshot of the machine. A target streamed from disk costs what the disk reads at
     the time: one calibration at --ram 0 caught the disk at two thirds of its usual speed, and the runs
-    after it verified trees priced for that disk (docs/benchmarks.md); other programs' load moves a
+    after it verified trees priced for that disk (docs/benchmarks-history.md); other programs' load moves a
     target in RAM too. Each verification's measured time moves the factor PACE_WEIGHT of the way (in log)
     toward the one that would have predicted it, within PACE_LIMITS; the policies price at it once it
     is PACE_BAND off the calibration (`DraftingPolicy.observe_pass`).

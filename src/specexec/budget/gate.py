@@ -25,7 +25,7 @@ class SpeculationGate:
     A probe after a pause is dear in a losing regime: every drafted step there loses about half a
     target pass, and the draft first catches up on every token it skipped (on MT-Bench at T=0.6 with
     the default pair, doubling up to 64 and resetting on a lucky window drafted 17% of steps and cost
-    8% of plain speed; docs/benchmarks.md). Undrafted steps are plain target steps, so exactness is
+    8% of plain speed; docs/benchmarks-history.md). Undrafted steps are plain target steps, so exactness is
     untouched.
     """
 
@@ -49,7 +49,7 @@ class SpeculationGate:
         """The rate every sizing rule values time at: λ, but never below plain decoding's, which a
         generation achieves whatever drafting did so far. Valued below it, time spent drafting would look
         cheaper the more drafting had lost, and a losing generation would draft more (part of why the
-        default once ran at 0.84x plain llama.cpp on MT-Bench, docs/benchmarks.md)."""
+        default once ran at 0.84x plain llama.cpp on MT-Bench, docs/benchmarks-history.md)."""
         return max(self.rate, self.plain_rate)
 
     @property

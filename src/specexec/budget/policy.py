@@ -14,7 +14,7 @@ from specexec.budget.gate import SpeculationGate
 
 # Within this share of the calibration the policies keep its prices: on the Zen 4 host a fresh
 # calibration's own target settled at a pace of 1.06-1.26 at --ram 0 (MT-Bench), and priced at it ran
-# 1% slower than as calibrated (paired, docs/benchmarks.md); a calibration 1.6x off, priced at the
+# 1% slower than as calibrated (paired, docs/benchmarks-history.md); a calibration 1.6x off, priced at the
 # pace, ran 4% faster.
 PACE_BAND = 0.3
 REPRICE = 0.02  # a move of the pace by this share prices the policy's tables again
@@ -22,7 +22,7 @@ CATCH_UP_PASSES = 0.5  # what a draft's catch-up after plain steps may cost, in 
 CATCH_UP_LIMIT = 1024  # a catch-up of this many tokens within that cost: no tokens are skipped
 # What a drafted step costs beyond its forwards, as a share of them: the engine's own work per step and,
 # in llama.cpp, a compute graph rebuilt for every new batch shape (measured on 2 cores with the real
-# pair: 4-8% of a step's time, docs/benchmarks.md). `chain_pays` asks speculation to beat it.
+# pair: 4-8% of a step's time, docs/benchmarks-history.md). `chain_pays` asks speculation to beat it.
 UNMODELED_STEP_COST = 0.10
 
 

@@ -9,7 +9,7 @@ its tokens, never what the target emits.
   (which keeps the output layer at Q8_0 or better under q4_0). Q4_0 is the type ggml repacks for its
   fastest CPU kernels on x86 and ARM, Q8_0 keeps an F16 draft's accuracy at half its bytes. Q4_0 is the
   default beside a target streamed from disk (STREAMED_DRAFT_QUANT, which says why); Q8_0 was no
-  faster below 8 tokens a pass (docs/benchmarks.md, "A requantized draft", session 25).
+  faster below 8 tokens a pass (docs/benchmarks-history.md, 2026-12-05, "A requantized draft").
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from specexec.backends.llamacpp.library import LlamaCppError, llama_cpp_library
 from specexec.draft_vocab import kept_token_ids
 from specexec.paths import cache_root
 
-# What `--draft-vocab auto` keeps for a llama.cpp draft: the packaged 0.5B draft's head is 37% of the bytes
-# a pass reads; its first 64,000 ids hold 98% of the tokens the target writes on HumanEval and MT-Bench,
-# and on 2 cores this draft made `sd@3` and `specexec` auto 3-8% faster than the whole head and than
-# 32,000 ids (docs/benchmarks.md, "A draft that scores fewer tokens"). Where drafting loses (chat text at
-# T=0.6) the cheaper pass once made the policies draft more, until the speculation gate learnt to stop
-# sooner ("When drafting loses", session 7).
+# What `--draft-vocab auto` keeps for a llama.cpp draft: the packaged 0.5B draft's head is 37% of the bytes a
+# pass reads; its first 64,000 ids hold 98% of the tokens the target writes on HumanEval and MT-Bench, and on
+# 2 cores this draft made `sd@3` and `specexec` auto 3-8% faster than the whole head and than 32,000 ids
+# (docs/benchmarks-history.md, "A draft that scores fewer tokens"). Where drafting loses (chat text at T=0.6)
+# the cheaper pass once made the policies draft more, until the speculation gate learnt to stop sooner
+# (2026-12-02, "When drafting loses").
 DEFAULT_DRAFT_VOCAB = 64000
 # A draft's weights beside a target streamed from disk (`--ram`), unless --draft-quant or --quant says
 # otherwise (`loading.draft_quant`). A streamed target's step spends a large share drafting, which the
 # window's reads take back only in part; the packaged 0.5B draft in Q4_0 passes 1/4/16 tokens in
 # 12/30/69 ms against 18/42/105 on 2 cores, and `specexec --budget auto` ran 7-17% faster with it at
-# --ram 512MiB and 0-2% at --ram 0, paired per prompt (docs/benchmarks.md, session 27). In RAM the
+# --ram 512MiB and 0-2% at --ram 0, paired per prompt (docs/benchmarks.md, "Bigger than RAM"). In RAM the
 # target's passes are compute-bound and the default decodes plainly, so the draft stays as packaged.
 STREAMED_DRAFT_QUANT = "q4_0"
 COPY_FILE = "model.gguf"  # the copy's GGUF in its folder (the folder's name says what copy it is)
