@@ -99,3 +99,18 @@ def test_only_the_backends_and_the_command_line_name_a_runtime() -> None:
         if naming.search(line)
     ]
     assert offenders == []
+
+
+def test_only_the_llamacpp_backend_imports_the_streaming_package() -> None:
+    """Streaming a GGUF from disk is the llama.cpp backend's own: the rest (the benchmark's llama.cpp
+    peers included) loads a streamed model through `specexec.backends.llamacpp.weights`."""
+    streaming = "specexec.backends.llamacpp.stream"
+    graph = import_graph()
+    assert any(name.startswith(streaming + ".") for name in graph), "the streaming package moved"
+    offenders = sorted(
+        module
+        for module, imported in graph.items()
+        if not module.startswith("specexec.backends.llamacpp")
+        and any(name == streaming or name.startswith(streaming + ".") for name in imported)
+    )
+    assert offenders == []

@@ -742,16 +742,6 @@ def test_auto_backend_is_llamacpp_for_gguf_sources_without_torch_only_options(tm
         choose_backend("llamacpp", str(tmp_path), [])
 
 
-@pytest.fixture
-def tokenized_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A tiny qwen2 GGUF with a byte-level BPE tokenizer (test_models), caches kept in the test's folder."""
-    from test_models import write_tiny_gguf
-
-    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
-    write_tiny_gguf(tmp_path / "tiny.gguf")
-    return tmp_path / "tiny.gguf"
-
-
 def test_generate_command_runs_on_llamacpp_and_names_the_backend(tokenized_gguf: Path, capsys) -> None:
     from specexec.cli import main
 

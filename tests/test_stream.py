@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_llamacpp import FLAT, METHODS, tokenized_gguf  # noqa: F401 (a fixture)
+from test_llamacpp import FLAT, METHODS
 from tiny_gguf import on_storage, synced, write_random_gguf
 
 import specexec
@@ -34,6 +34,9 @@ pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs specexec[ll
 from specexec.backends.llamacpp import stream  # noqa: E402
 from specexec.backends.llamacpp.library import LlamaCppError  # noqa: E402
 from specexec.backends.llamacpp.model import LlamaCppModel  # noqa: E402
+from specexec.backends.llamacpp.stream import reader  # noqa: E402
+from specexec.backends.llamacpp.stream.os_calls import PAGE, Ring  # noqa: E402
+from specexec.prefix_cache import PrefixCache  # noqa: E402
 
 LAYERS = 8
 PROMPT = [3, 17, 42, 5, 9, 11, 60, 2]
@@ -74,8 +77,8 @@ def direct_reads(path: Path) -> bool:
     except OSError:
         return False
     try:
-        with mmap.mmap(-1, stream.PAGE) as page:
-            return os.preadv(fd, [page], 0) == stream.PAGE
+        with mmap.mmap(-1, PAGE) as page:
+            return os.preadv(fd, [page], 0) == PAGE
     except OSError:
         return False
     finally:
@@ -89,13 +92,17 @@ def reads(request: pytest.FixtureRequest, gguf: Path, monkeypatch: pytest.Monkey
     if request.param == "direct" and not direct_reads(gguf):
         pytest.skip("this file system refuses O_DIRECT reads")
     if request.param == "cached":
-        monkeypatch.setattr(stream.Streamer, "_open_ring", lambda self: None)
+
+        def refused(*args) -> None:  # as a file system without O_DIRECT
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+        monkeypatch.setattr(reader, "Ring", refused)
     return request.param
 
 
 def streamed_model(gguf: Path, reads: str, **kwargs) -> LlamaCppModel:
     model = LlamaCppModel(gguf, **kwargs)
-    assert (model.stream.ring is not None) == (reads == "direct")
+    assert model.stream.reads == reads
     return model
 
 
@@ -162,7 +169,14 @@ def test_streamed_logits_equal_resident_logits_bit_for_bit(gguf: Path, reads: st
     resident = logits_of(LlamaCppModel(gguf, threads=2))
     for ram in (0, half(gguf)):
         streamed = streamed_model(gguf, reads, threads=2, ram=ram)
+        before = read_bytes()
         assert torch.equal(logits_of(streamed), resident), ram
+        # The streamed units came from storage in each of the ten passes (where the kernel counts reads).
+        passes = streamed.stream.passes
+        assert passes == 10, passes
+        if before:
+            streamed_bytes = streamed.stream.plan.streamed_bytes
+            assert read_bytes() - before >= 0.8 * passes * streamed_bytes, (ram, read_bytes() - before)
         del streamed  # one model of a file at a time: another's mapping would hold its pages in RAM
 
 
@@ -184,7 +198,7 @@ def test_a_split_gguf_streams_as_one_file_does(gguf: Path, split_gguf: Path, rea
         if read_bytes():
             assert read_per_pass(model) == pytest.approx(model.stream.plan.streamed_bytes, rel=0.1), ram
         kept, streamed = model.stream.residency()
-        slack = 2 * stream.PAGE * len(units) + 256 * 1024
+        slack = 2 * PAGE * len(units) + 256 * 1024
         assert (
             kept >= model.stream.plan.resident_bytes - slack
             and streamed <= model.stream.plan.window_bytes + slack
@@ -309,7 +323,7 @@ def test_loading_a_streamed_target_reads_only_what_stays_resident(
     read = read_bytes() - before
     plan = model.stream.plan
     kept, _ = model.stream.residency()
-    assert kept >= plan.resident_bytes - 2 * stream.PAGE * len(plan.units)
+    assert kept >= plan.resident_bytes - 2 * PAGE * len(plan.units)
     if lazily:
         assert read < plan.resident_bytes + 0.1 * plan.streamed_bytes, (read, plan.resident_bytes)
     else:
@@ -320,7 +334,7 @@ def test_the_resident_part_stays_and_streamed_pages_do_not_pile_up(gguf: Path, r
     model = streamed_model(gguf, reads, threads=2, ram=half(gguf))
     streamer, plan = model.stream, model.stream.plan
     # Pages shared by neighbouring units, and the kernel reading around a page fault (128 KiB by default).
-    slack = 2 * stream.PAGE * len(plan.units) + 256 * 1024
+    slack = 2 * PAGE * len(plan.units) + 256 * 1024
     peak = [0]
     layer_done = streamer.layer_done
 
@@ -361,7 +375,7 @@ def test_between_passes_the_reader_fills_the_window_with_the_next_passs_first_un
     assert fitting >= 5
     runner = model.make_runner(64)
     runner.extend(torch.tensor(PROMPT))
-    slack = 2 * stream.PAGE * len(layers)
+    slack = 2 * PAGE * len(layers)
     for t in range(3):
         runner.extend(torch.tensor([t + 20]))
         streamer.settle()
@@ -393,7 +407,7 @@ def test_plain_llamacpp_short_of_memory_reads_the_whole_file_every_pass(
     read = read_bytes() - before - plan.resident_bytes  # less the resident part read back after the run
     assert read / passes == pytest.approx(plan.resident_bytes + plan.streamed_bytes, rel=0.1)
     assert record["hf_settings"]["evicted_before_every_pass"]
-    slack = 2 * stream.PAGE * len(plan.units)
+    slack = 2 * PAGE * len(plan.units)
     assert streamer.residency()[0] >= plan.resident_bytes - slack
 
 
@@ -428,7 +442,7 @@ def test_a_unit_being_mapped_in_counts_once_in_ram(gguf: Path, monkeypatch) -> N
     streamer = model.stream
     counts: list[tuple[int, int]] = []
     waited: list[bool] = []
-    map_in = stream._Ring.map_in
+    map_in = Ring.map_in
 
     def mapping_in(ring, base, pieces) -> None:
         map_in(ring, base, pieces)
@@ -438,10 +452,10 @@ def test_a_unit_being_mapped_in_counts_once_in_ram(gguf: Path, monkeypatch) -> N
             counter.join(0.2)
             waited.append(counter.is_alive())  # it waits for the mapping to be recorded
 
-    monkeypatch.setattr(stream._Ring, "map_in", mapping_in)
+    monkeypatch.setattr(Ring, "map_in", mapping_in)
     model.make_runner(64).extend(torch.tensor(PROMPT))
     streamer.settle()
-    slack = 2 * stream.PAGE * len(streamer.plan.units)
+    slack = 2 * PAGE * len(streamer.plan.units)
     assert waited == [True]
     assert counts and counts[0][1] <= streamer.plan.window_bytes + slack
 
@@ -461,7 +475,7 @@ def test_a_failed_read_stops_the_run_with_a_one_line_error(gguf: Path, monkeypat
     def broken(*args) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(stream._Ring, "read", broken)
+    monkeypatch.setattr(Ring, "read", broken)
     with pytest.raises(LlamaCppError) as error:
         for i in range(1, len(tokens)):
             assert torch.equal(runner.extend(tokens[i]), expected[i]), i
@@ -469,30 +483,94 @@ def test_a_failed_read_stops_the_run_with_a_one_line_error(gguf: Path, monkeypat
 
 
 EXIT_MID_READ = """
-import sys, torch
+import atexit, sys, threading, time
+
+
+@atexit.register  # before the streamers' own hook, so it runs after it: a runner released late in the exit
+def release_runner():
+    global runner
+    del runner
+    print("released", flush=True)
+
+
+import torch
 from specexec.backends.llamacpp.model import LlamaCppModel
+from specexec.backends.llamacpp.stream import reader
 
 model = LlamaCppModel(sys.argv[1], threads=2, ram=0)
+stalled = 2 * len(model.stream.streamed)  # the third pass's first unit: read ahead after the second pass
+reading, read = threading.Event(), threading.Event()
+
+
+def stalling(read_unit):
+    def slow_read(self, g, claim):  # a slow disk: the read of unit `stalled` takes 2 s
+        outcome = read_unit(self, g, claim)
+        if g == stalled:
+            reading.set()
+            time.sleep(2)
+            read.set()
+        return outcome
+
+    return slow_read
+
+
+for reads in (reader.DirectReads, reader.PageCacheReads):
+    reads.read = stalling(reads.read)
+
+
+@atexit.register  # after the streamers' own hook, so it runs first
+def program_ends():
+    print("reading at exit" if reading.is_set() and not read.is_set() else "not reading at exit", flush=True)
+
+
 runner = model.make_runner(64)
 runner.extend(torch.tensor([3, 17, 42, 5, 9, 11, 60, 2]))
-runner.extend(torch.tensor([7]))  # the reader reads the next pass's units: still reading at the end
+runner.extend(torch.tensor([7]))
+assert reading.wait(30)
 print("decoded", flush=True)
 """
 
 
 def test_a_program_ending_while_the_reader_reads_exits(tmp_path: Path) -> None:
-    """The reader is a daemon thread, frozen mid-read at exit; a runner released after that would wait
-    for it forever. Streamers are closed before that happens."""
+    """The reader is a daemon thread, frozen wherever it is when the interpreter finalizes; frozen inside
+    a read, a runner released after that (at finalization) would wait for the read forever. Streamers
+    are closed at exit, before that happens: the child ends while the reader is inside a 2 s read (the
+    child says so), and its runner, released after the streamers' exit hook, lets go at once."""
     if not on_storage(tmp_path):
         pytest.skip("the temporary folder is in memory (tmpfs)")
     path = write_streamable(tmp_path / "m.gguf")
     done = subprocess.run(
         [sys.executable, "-c", EXIT_MID_READ, str(path)], capture_output=True, text=True, timeout=60
     )
-    assert done.returncode == 0 and done.stdout == "decoded\n", done.stderr
+    assert done.returncode == 0 and done.stdout == "decoded\nreading at exit\nreleased\n", done.stderr
 
 
-def test_ram_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:  # noqa: F811
+def test_a_generation_parked_in_the_prefix_cache_gives_its_read_ahead_window_back(
+    gguf: Path, reads: str
+) -> None:
+    """`Generation.release` idles its runners (`Runner.idle`) before the prefix cache keeps them: the
+    streamer then holds the resident part only, and the parked runner still serves the next prompt."""
+    model = streamed_model(gguf, reads, threads=2, ram=half(gguf))
+    streamer, plan = model.stream, model.stream.plan
+    slack = 2 * PAGE * len(plan.units)  # pages shared with a resident neighbour
+    runner = model.make_runner(64)  # the control: a runner between passes holds the window
+    runner.extend(torch.tensor(PROMPT))
+    streamer.settle()
+    assert streamer.residency()[1] > slack
+    runner.idle()
+    assert streamer.residency()[1] <= slack
+    del runner
+
+    cache = PrefixCache(2**30)
+    first = specexec.generate(model, None, PROMPT, method="ar", max_new_tokens=8, prefix_cache=cache)
+    assert len(cache) == 1  # parked, not freed
+    kept, streamed = streamer.residency()
+    assert kept >= plan.resident_bytes - slack and streamed <= slack, (kept, streamed)
+    again = specexec.generate(model, None, PROMPT, method="ar", max_new_tokens=8, prefix_cache=cache)
+    assert again.tokens == first.tokens and again.stats.cached_tokens == len(PROMPT) - 1
+
+
+def test_ram_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
     from specexec.cli import main
 
     target = ["--target", str(tokenized_gguf), "--draft", str(tokenized_gguf), "--threads", "1"]
@@ -514,7 +592,7 @@ def test_ram_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:  # noqa:
     assert len(lines) == 3
 
 
-def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:  # noqa: F811
+def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:
     from specexec.cli import main
 
     draft = str(shutil.copy(tokenized_gguf, tokenized_gguf.with_name("draft.gguf")))  # mapped apart
@@ -531,7 +609,7 @@ def test_the_stats_line_says_what_streams(tokenized_gguf: Path, capsys) -> None:
 
 @pytest.mark.parametrize("room", ["plenty", "none", "plenty without --ram", "none without --ram"])
 def test_ram_auto_sizes_the_target_from_the_memory_available(
-    tokenized_gguf: Path,  # noqa: F811
+    tokenized_gguf: Path,
     room: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys,
@@ -591,7 +669,7 @@ def test_ram_auto_keeps_resident_what_the_memory_left_holds(
     )
 
 
-def test_bench_streams_every_llamacpp_method_and_records_what_it_read(tokenized_gguf: Path) -> None:  # noqa: F811
+def test_bench_streams_every_llamacpp_method_and_records_what_it_read(tokenized_gguf: Path) -> None:
     import json
 
     from specexec.cli import main

@@ -335,8 +335,11 @@ class Generation:
         return Chunk(new, finish, self.stats)
 
     def release(self) -> None:
-        """Put the runners in the prefix cache with the committed tokens, if they hold exactly those (after
-        a step or a prefill, not after an error, when a forward may have stopped half way)."""
+        """Idle the runners (`Runner.idle`), then put them in the prefix cache with the committed tokens, if
+        they hold exactly those (after a step or a prefill, not after an error, when a forward may have
+        stopped half way)."""
+        for runner in self._live_runners():
+            runner.idle()  # a runner parked in the cache holds no more than its cache
         if self.prefix_cache is not None and self.resumable:
             self.prefix_cache.put(
                 self.committed.tolist(), self.target, self.pair_draft, self.target_runner, self.draft_runner

@@ -71,6 +71,10 @@ class Runner(Protocol):
     def share_cpu(self, shared: bool) -> None:
         """While `shared`, forwards run beside another model's pass (fewer threads where that helps)."""
 
+    def idle(self) -> None:
+        """Its generation was released: let go of what only forwards need (a streamed model's read-ahead
+        window) until the next forward; the cache stays."""
+
 
 @runtime_checkable
 class Model(Protocol):
@@ -181,6 +185,9 @@ class SlotRunner:
 
     def share_cpu(self, shared: bool) -> None:
         """Torch sizes its thread pool per process, not per model: nothing to change."""
+
+    def idle(self) -> None:
+        """Nothing held for forwards beyond the cache."""
 
 
 def grown_capacity(capacity: int, slots: int, most: int | None) -> int:

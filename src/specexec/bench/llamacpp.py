@@ -15,13 +15,17 @@ With `ram` (the bench's --ram), both run the target as llama.cpp would in that m
   page before the next pass needs it again, so the whole file is evicted before every pass, the pages
   our streamed targets keep resident included (in one process they would stay cached for it too); they
   are read back after its run, and neither the eviction nor that read is counted;
-- `llamacpp-spec`: its target streamed by `specexec.backends.llamacpp.stream`, as our own methods' is.
+- `llamacpp-spec`: its target loaded and streamed by `specexec.backends.llamacpp.weights.load_weights`,
+  as our own models' are.
+
+Both load their models through `load_weights` too, so they get the model parameters our models get
+(extra buffer types off where they do not run, or with `ram`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +33,10 @@ import numpy.typing as npt
 import torch
 
 from specexec.backends.gguf_files import file_bytes
-from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import COPY_FILE
-from specexec.backends.llamacpp.extra_buffers import amx_in_build, extra_buffers_usable
+from specexec.backends.llamacpp.extra_buffers import amx_in_build
 from specexec.backends.llamacpp.library import INSTALL_HINT
+from specexec.backends.llamacpp.weights import LoadedWeights, evict, load_weights, restore_resident
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
 
@@ -55,19 +59,13 @@ class LlamaCpp:
             raise BenchError(f"method 'llamacpp' needs llama-cpp-python: {INSTALL_HINT}") from None
         self.gguf = Path(gguf)
         self.threads = threads or torch.get_num_threads()
-        self.extra_buffers = ram is None and extra_buffers_usable()
-        with _unrepacked(self.gguf, enabled=not self.extra_buffers):
-            self.llm = llama_cpp.Llama(
-                model_path=str(self.gguf),
-                n_ctx=context,
-                n_threads=self.threads,
-                n_threads_batch=self.threads,
-                verbose=False,
-            )
+        # Loaded whole whatever `ram`: short of memory, it is evicted before every pass instead.
+        loaded = _llama(self.gguf, None, ram is None, n_ctx=context, n_threads=self.threads)
+        self.llm, self.extra_buffers = loaded.loaded, loaded.extra_buffers
         self.short = ram is not None and ram < file_bytes(self.gguf)  # else it all stays in RAM
         if self.short:  # loading read it all
-            stream.evict(self.gguf)
-            stream.restore_resident(self.gguf)
+            evict(self.gguf)
+            restore_resident(self.gguf)
         self.version = llama_cpp.__version__
         self.vocab = self.llm.n_vocab()
         self._logits_of_last = lambda: llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
@@ -90,7 +88,7 @@ class LlamaCpp:
         evicting = 0.0  # seconds spent evicting, not counted
         if self.short:
             evicting -= clock(CPU)
-            stream.evict(self.gguf)
+            evict(self.gguf)
             evicting += clock(CPU)
         start = clock(CPU)
         if len(input_ids) > 1:
@@ -101,7 +99,7 @@ class LlamaCpp:
         while len(tokens) < max_new_tokens:
             if self.short:
                 evicting -= clock(CPU)
-                stream.evict(self.gguf)
+                evict(self.gguf)
                 evicting += clock(CPU)
             llm.eval([step_input])
             logits = torch.from_numpy(
@@ -122,8 +120,8 @@ class LlamaCpp:
         }  # fmt: skip
         if self.short:
             settings["evicted_before_every_pass"] = True
-            stream.evict(self.gguf)  # its pages mapped would stay in RAM through the other methods' runs
-            stream.restore_resident(self.gguf)
+            evict(self.gguf)  # its pages mapped would stay in RAM through the other methods' runs
+            restore_resident(self.gguf)
         # llama.cpp's forwards and its sampling are inseparable here: all of decode is target time.
         record = _record(input_ids, tokens, eos, prefill, wall, len(tokens), 0, 0.0, settings)
         return {**record, "tree_sizes": [0] * len(tokens), "tree_depths": [0] * len(tokens)}
@@ -147,24 +145,13 @@ class LlamaCppSpeculative:
         except ImportError:
             raise BenchError(f"method 'llamacpp-spec' needs llama-cpp-python: {INSTALL_HINT}") from None
         self.threads = threads or torch.get_num_threads()
-        usable = extra_buffers_usable()
-        with _unrepacked(Path(draft), enabled=not usable):
-            draft_llm = llama_cpp.Llama(
-                model_path=str(draft), n_ctx=context, n_threads=self.threads, n_threads_batch=self.threads,
-                verbose=False,
-            )  # fmt: skip
+        draft_llm = _llama(Path(draft), None, True, n_ctx=context, n_threads=self.threads).loaded
         self.drafter = _GreedyDraft(draft_llm, lambda: llama_cpp.llama_get_logits_ith(draft_llm.ctx, -1))
-        self.extra_buffers = ram is None and usable  # the target's; the draft's are `usable`
-        with _unrepacked(Path(target), enabled=not self.extra_buffers, ram=ram) as streamer:
-            self.llm = llama_cpp.Llama(
-                model_path=str(target),
-                n_ctx=context,
-                n_threads=self.threads,
-                n_threads_batch=self.threads,
-                draft_model=self.drafter,
-                verbose=False,
-            )
-        self.streamer = streamer()
+        # The target's buffers: off with `ram` whether or not it streams, as for the plain peer.
+        loaded = _llama(
+            Path(target), ram, ram is None, n_ctx=context, n_threads=self.threads, draft_model=self.drafter
+        )
+        self.llm, self.streamer, self.extra_buffers = loaded.loaded, loaded.streamer, loaded.extra_buffers
         # Every derived draft copy has the same file name: its folder says which copy it is.
         draft_name = (
             Path(draft).name if Path(draft).name != COPY_FILE else f"{Path(draft).parent.name}/{COPY_FILE}"
@@ -310,50 +297,51 @@ class _GreedyDraft:
         return np.array(drafted, dtype=np.intc)
 
 
-@contextmanager
-def _unrepacked(gguf: Path, enabled: bool, ram: int | None = None):
-    """Around a `Llama(...)` of `gguf`: with `enabled`, its model loads with repacking off; yields a
-    function returning the `Streamer` of the target streamed within `ram` bytes (None without `ram`, or
-    if it all fits). `Llama` reads llama.cpp's default parameters before it loads the model: its context
-    gets an eval callback that reaches the streamer once there is one."""
-    if not enabled:
-        yield lambda: None
-        return
-    import llama_cpp.llama_cpp as api
+def _llama(gguf: Path, ram: int | None, extra_buffers: bool, *, n_threads: int, **arguments) -> LoadedWeights:
+    """llama-cpp-python's `Llama` of `gguf` (its other arguments `arguments`, quiet), loaded by
+    `load_weights` (`ram`, `extra_buffers`): its model takes the parameters that sets, its context the
+    eval callback of a streamed model."""
+    llama = _llama_taking_params()
 
-    plan = stream.plan(gguf, ram) if ram is not None else None
-    model_defaults, context_defaults = api.llama_model_default_params, api.llama_context_default_params
-    before = stream.mapped()
-    later = _Later()
-    callback = stream.eval_callback(later)
+    def load(params, eval_callback):
+        return llama(
+            str(gguf), model_params=params, eval_callback=eval_callback, n_threads=n_threads,
+            n_threads_batch=n_threads, verbose=False, **arguments,
+        )  # fmt: skip
 
-    def model_params():
-        params = model_defaults()
-        params.use_extra_bufts = False
-        return params
-
-    def context_params():
-        params = context_defaults()
-        if plan is not None and plan.streamed:
-            params.cb_eval = callback
-        return params
-
-    made: dict = {}
-    api.llama_model_default_params, api.llama_context_default_params = model_params, context_params
-    try:
-        yield lambda: made.get("streamer")
-    finally:
-        api.llama_model_default_params, api.llama_context_default_params = model_defaults, context_defaults
-    if plan is not None and plan.streamed:
-        made["streamer"] = later.streamer = stream.Streamer(gguf, stream.mapping_bases(gguf, before), plan)
-        made["streamer"].eval_callback = callback  # kept alive with the streamer
+    return load_weights(gguf, ram, load, extra_buffers)
 
 
-class _Later:
-    """Stands for a streamer the eval callback needs before it exists."""
+@functools.cache
+def _llama_taking_params() -> type:
+    """`llama_cpp.Llama`, loading with the model parameters it is given and making its context with the
+    eval callback it is given. `Llama.__init__` takes neither: it starts its `model_params` and
+    `context_params` from llama.cpp's defaults, sets its own arguments on them, and loads at once. These
+    properties hand it the given model parameters (llama.cpp's defaults but what `load_weights` set) and
+    set the callback on its context parameters."""
+    import llama_cpp
 
-    streamer = None
+    class Llama(llama_cpp.Llama):
+        def __init__(self, model_path: str, *, model_params, eval_callback, **arguments) -> None:
+            self._given_model_params, self._eval_callback = model_params, eval_callback
+            super().__init__(model_path, **arguments)
 
-    def layer_done(self, layer: int) -> None:
-        if self.streamer is not None:
-            self.streamer.layer_done(layer)
+        @property
+        def model_params(self):
+            return self._model_params
+
+        @model_params.setter
+        def model_params(self, defaults) -> None:
+            self._model_params = self._given_model_params
+
+        @property
+        def context_params(self):
+            return self._context_params
+
+        @context_params.setter
+        def context_params(self, params) -> None:
+            if self._eval_callback is not None:
+                params.cb_eval = self._eval_callback
+            self._context_params = params
+
+    return Llama

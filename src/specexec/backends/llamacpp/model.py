@@ -27,7 +27,6 @@ import json
 import os
 import threading
 from collections.abc import Iterable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,14 +35,14 @@ import torch
 
 from specexec.backends.base import WeightsMemory
 from specexec.backends.gguf_files import shards, version
-from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.draft_gguf import derived_draft
-from specexec.backends.llamacpp.extra_buffers import extra_buffers_usable, library_build
-from specexec.backends.llamacpp.lazy_load import libllama_path, unpopulated
+from specexec.backends.llamacpp.extra_buffers import library_build
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
+from specexec.backends.llamacpp.weights import load_weights
 
 if TYPE_CHECKING:
     from specexec.backends.llamacpp.runner import LlamaCppRunner
+    from specexec.backends.llamacpp.stream import Streamer
 
 # Idle contexts a model keeps for its next runners (`LlamaCppModel.give_context`): one bounds the memory
 # they hold and serves the dear case, a generation's 256-sequence context handed to the next generation.
@@ -66,7 +65,7 @@ class LlamaCppModel:
     target on 2 cores, on every generation and on a generation's first tree.
 
     `ram` (bytes) caps the RAM its weights use: what does not fit is read from disk on every pass
-    (`specexec.backends.llamacpp.stream`; 0 streams all it can). None, or a cap above the weights, loads
+    (`specexec.backends.llamacpp.weights`; 0 streams all it can). None, or a cap above the weights, loads
     them as usual.
     """
 
@@ -103,26 +102,17 @@ class LlamaCppModel:
             self.head = torch.tensor(head["kept"])
             self._embedding = np.load(folder / "embedding.npy", mmap_mode="r")  # (V, row bytes or n_embd)
             self._embedding_type = head["embedding_type"]
-        params = llama_cpp.llama_model_default_params()
-        plan = stream.plan(self.gguf, ram) if ram is not None else None
-        streamed = plan is not None and bool(plan.streamed)
-        if streamed:
-            # Weights read straight from llama.cpp's mapping: not repacked into anonymous memory.
-            params.use_extra_bufts = False
-            params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
-            maps = stream.mapped()
-        elif not extra_buffers_usable():
-            params.use_extra_bufts = False  # AMX or repacked kernels would kill the process
-        self.extra_buffers = bool(params.use_extra_bufts)
-        # A streamed target's file is not read whole at load: the streamer reads in what stays resident.
-        with unpopulated(libllama_path()) if streamed else nullcontext():
+
+        def load(params, eval_callback) -> int:  # its contexts are the runners', made later
+            # Kept at once: `__del__` frees it should the streamer fail to start.
             self.handle = llama_cpp.llama_model_load_from_file(str(loaded).encode(), params)
-        if not self.handle:
-            raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
-        self.stream: stream.Streamer | None = None
-        if streamed:
-            self.stream = stream.Streamer(self.gguf, stream.mapping_bases(self.gguf, maps), plan)
-            self.stream.populate_resident()
+            if not self.handle:
+                raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
+            return self.handle
+
+        loaded_weights = load_weights(self.gguf, ram, load)
+        self.extra_buffers = loaded_weights.extra_buffers
+        self.stream: Streamer | None = loaded_weights.streamer
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
         self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [
@@ -193,8 +183,7 @@ class LlamaCppModel:
         buffers = "" if self.extra_buffers else ":plain-buffers"
         streamed = ""
         if self.stream is not None:
-            reads = "direct" if self.stream.ring is not None else "cached"
-            streamed = f":streamed{self.stream.plan.streamed_bytes}-{reads}"
+            streamed = f":streamed{self.stream.plan.streamed_bytes}-{self.stream.reads}"
         return (
             f"llamacpp:{self.gguf.name}:{version(self.gguf)}:{self.weights}{head}{streamed}{buffers}:"
             f"{self.threads}t:{self.version}:{library_build()}"

@@ -60,8 +60,12 @@ class LlamaCppRunner(SlotRunner):
             llama_cpp.llama_batch_free(self.batch)
             self.model.give_context(self.ctx, self.capacity, self.sequences)
             self.ctx = None
-            if self.model.stream is not None:
-                self.model.stream.release()  # idle, a streamed model holds its resident part only
+            self.idle()  # a runner no generation released (a calibration's, a test's)
+
+    def idle(self) -> None:
+        """No forward until the next generation: a streamed model holds its resident part only."""
+        if self.model.stream is not None:
+            self.model.stream.release()
 
     # The runner interface.
 

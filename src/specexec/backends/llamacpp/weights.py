@@ -1,0 +1,61 @@
+"""Loading a GGUF's weights with llama.cpp as `ram` asks: in RAM (llama.cpp's extra buffer types on where
+they run), or streamed from disk within `ram` bytes (`specexec.backends.llamacpp.stream`). Our backend's
+models and the benchmark's llama-cpp-python peers load this way alike (only the extra buffers probe loads
+with llama.cpp's defaults, on purpose); the rest of the package reaches streaming through this module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from specexec.backends.llamacpp import stream
+from specexec.backends.llamacpp.extra_buffers import extra_buffers_usable
+from specexec.backends.llamacpp.lazy_load import libllama_path, unpopulated
+from specexec.backends.llamacpp.library import llama_cpp_library
+from specexec.backends.llamacpp.stream import Streamer, evict, restore_resident
+
+__all__ = ["LoadedWeights", "evict", "load_weights", "restore_resident"]  # evict: for the bench's peers
+
+Loaded = TypeVar("Loaded")
+
+
+@dataclass
+class LoadedWeights(Generic[Loaded]):
+    """What `load_weights` loaded: `load`'s own result, the streamer when part of the weights streams."""
+
+    loaded: Loaded
+    streamer: Streamer | None
+    extra_buffers: bool  # llama.cpp's extra buffer types (AMX tiles, repacked weights) on
+
+
+def load_weights(
+    gguf: Path, ram: int | None, load: Callable[[Any, Any], Loaded], extra_buffers: bool = True
+) -> LoadedWeights[Loaded]:
+    """Load `gguf`'s weights with `load(params, eval_callback)`: `params` are the llama.cpp model
+    parameters to load with (llama.cpp's defaults but what this sets), `eval_callback` what any context
+    `load` makes must take as its `cb_eval` (None when nothing streams; a streamed model's contexts made
+    later take `Streamer.eval_callback`, the same).
+
+    `ram` None: in RAM. Else `stream.plan`: a model that fits loads as usual, else its file is mapped
+    without being read whole, and a `Streamer` reads in the resident units and streams the rest.
+    `extra_buffers` False keeps llama.cpp's extra buffer types off even where they run."""
+    llama_cpp = llama_cpp_library()
+    params = llama_cpp.llama_model_default_params()
+    plan = stream.plan(gguf, ram) if ram is not None else None
+    if plan is None or not plan.streamed:
+        if not (extra_buffers and extra_buffers_usable()):
+            params.use_extra_bufts = False  # asked, or AMX or repacked kernels would kill the process
+        return LoadedWeights(load(params, None), None, bool(params.use_extra_bufts))
+    # Weights read straight from llama.cpp's mapping: not repacked into anonymous memory.
+    params.use_extra_bufts = False
+    params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+    events = stream.LayerEvents()
+    maps = stream.mapped()
+    # A streamed target's file is not read whole at load: the streamer reads in what stays resident.
+    with unpopulated(libllama_path()):
+        loaded = load(params, events.callback)
+    streamer = Streamer(gguf, stream.mapping_bases(gguf, maps), plan, events)
+    streamer.populate_resident()
+    return LoadedWeights(loaded, streamer, False)
