@@ -114,3 +114,36 @@ def test_only_the_llamacpp_backend_imports_the_streaming_package() -> None:
         and any(name == streaming or name.startswith(streaming + ".") for name in imported)
     )
     assert offenders == []
+
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def too_long(path: Path) -> list[str]:
+    """What in the module at `path` passes the limits: the file's lines, each function's lines."""
+    text = path.read_text()
+    found = []
+    if len(text.splitlines()) > MAX_FILE_LINES:
+        found.append(f"{path.name}: {len(text.splitlines())} lines")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found.append(f"{path.name}: {node.name} {lines} lines")
+    return found
+
+
+def test_no_file_over_600_lines_and_no_function_over_80() -> None:
+    found = [f for path in sorted(PACKAGE.rglob("*.py")) for f in too_long(path)]
+    assert not found, found
+
+
+def test_the_length_check_finds_long_files_and_functions(tmp_path: Path) -> None:
+    body = "\n".join(f"    x = {i}" for i in range(MAX_FUNCTION_LINES))
+    long_function = tmp_path / "long.py"
+    long_function.write_text(f"def long():\n{body}\n")
+    assert too_long(long_function) == [f"long.py: long {MAX_FUNCTION_LINES + 1} lines"]
+    long_file = tmp_path / "many.py"
+    long_file.write_text("x = 1\n" * (MAX_FILE_LINES + 1))
+    assert too_long(long_file) == [f"many.py: {MAX_FILE_LINES + 1} lines"]
