@@ -123,3 +123,42 @@ def test_the_toy_runner_is_not_the_torch_runner(pair) -> None:
     with torch.no_grad():
         reference = pair[0].module(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def _runtimes() -> dict[str, object]:
+    import toy_backend
+
+    from specexec.backends import backend
+
+    runtimes = {"torch": backend("torch"), "toy": toy_backend}
+    if backend("llamacpp").unavailable() is None:
+        runtimes["llamacpp"] = backend("llamacpp")
+    return runtimes
+
+
+@pytest.mark.parametrize("name", ["torch", "llamacpp", "toy"])
+def test_each_runtime_is_a_runtime(name: str) -> None:
+    """Both runtimes and the toy expose what `base.Runtime` says, with its functions' parameters; the
+    ones that take --ram are `StreamingRuntime`s."""
+    import inspect
+
+    from specexec.backends.base import Runtime, StreamingRuntime
+
+    runtimes = _runtimes()
+    if name not in runtimes:
+        pytest.skip("the llama.cpp backend needs specexec[llamacpp]")
+    runtime = runtimes[name]
+    assert isinstance(runtime, Runtime)
+    for method in ("unavailable", "refusal", "load", "default_draft_vocab", "default_draft_quant"):
+        wanted = list(inspect.signature(getattr(Runtime, method)).parameters)[1:]  # less `self`
+        assert list(inspect.signature(getattr(runtime, method)).parameters) == wanted, (name, method)
+    assert set(runtime.OPTIONS) <= {"dtype", "offload", "quant", "threads", "vocab", "ram", "gguf_quant"}
+    assert isinstance(runtime, StreamingRuntime) == ("ram" in runtime.OPTIONS)
+
+
+def test_a_module_without_the_runtime_face_is_not_a_runtime() -> None:
+    import types
+
+    from specexec.backends.base import Runtime
+
+    assert not isinstance(types.ModuleType("empty"), Runtime)

@@ -128,3 +128,32 @@ class ToyRunner(SlotRunner):
                 input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False
             )
         return out.logits[0, [index[r] for r in rows]]  # (m, V)
+
+
+# The toy as a runtime (`specexec.backends.base.Runtime`): a Hugging Face folder, no load options.
+LABEL = "toy"
+WEIGHTS = "folder"
+OPTIONS: tuple[str, ...] = ()
+MAX_TREE_LEAVES = None
+
+
+def unavailable() -> str | None:
+    return None
+
+
+def refusal(given: list[tuple[str, str]]) -> str | None:
+    return f"{given[0][1]} is not for the toy backend" if given else None
+
+
+def load(path, options) -> ToyModel:
+    from transformers import AutoModelForCausalLM
+
+    return ToyModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+
+
+def default_draft_vocab(vocab_size: int) -> int:
+    return 0
+
+
+def default_draft_quant(streamed_target: bool) -> str:
+    return "none"

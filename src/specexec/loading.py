@@ -114,7 +114,7 @@ def resolve_ram(spec: PairSpec) -> PairSpec:
     import sys
 
     from specexec.backends import backend as runtime
-    from specexec.backends.base import BackendError
+    from specexec.backends.base import BackendError, StreamingRuntime
     from specexec.host_memory import RUNTIME_RESERVE, auto_ram, available_memory
     from specexec.models import ModelSourceError, gguf_file, weights_bytes
     from specexec.sizes import format_bytes as size
@@ -122,7 +122,7 @@ def resolve_ram(spec: PairSpec) -> PairSpec:
     if spec.ram not in (None, "auto"):
         return spec
     backend = runtime(target_backend(spec))
-    if "ram" not in backend.OPTIONS:
+    if not isinstance(backend, StreamingRuntime):
         return spec
     available = available_memory()
     if available is None:

@@ -1,17 +1,7 @@
 """Model runtimes behind one seam: `base.Model` (what a loaded model tells) and `base.Runner` (one
-generation's KV cache on it). Each runtime is a subpackage exposing:
-
-- `LABEL`: its name in messages; `WEIGHTS`: "gguf" (loads a GGUF file) or "folder" (a Hugging Face folder);
-- `OPTIONS`: the load options it takes ("dtype", "offload", "quant", "threads", "vocab", "ram",
-  "gguf_quant": `LoadOptions`, whose `quant` is "gguf_quant" for a value of `base.GGUF_QUANTS`);
-- `unavailable() -> str | None`: why it cannot run here (its library is not installed), if it cannot;
-- `refusal(given: list[tuple[str, str]]) -> str | None`: why it cannot load with the options `given`
-  (each an option key, e.g. "quant", and the option in the user's words), if it cannot;
-- `load(path: Path, options: LoadOptions) -> Model`;
-- `default_draft_vocab(vocab_size: int) -> int`: the ids `--draft-vocab auto` keeps (0: the whole head);
-- `default_draft_quant(streamed_target: bool) -> str`: a draft's quantization where none is asked for
-  ("none": its weights as given), beside a target streamed from disk (`--ram`) or not.
-- with "ram" in OPTIONS, `least_ram(path: Path) -> int`: the least RAM above 0 a model streams in.
+generation's KV cache on it). Each runtime is a subpackage that is a `base.Runtime` (a
+`base.StreamingRuntime` where it streams weights from disk): its name, the weights it loads, the load
+options it takes, and how it loads a model.
 
 A model that has its own `make_runner` is a `Model` already; a PyTorch module is adapted by the torch
 backend (`as_model`). Nothing above this package names a runtime. `gguf_files` reads a GGUF's files (a
@@ -21,9 +11,9 @@ split GGUF's too) for any runtime and for `specexec.models`.
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import cast
 
-from specexec.backends.base import BackendError, Model, Runner
+from specexec.backends.base import BackendError, Model, Runner, Runtime
 
 # The runtimes that load model sources, in the order "auto" prefers them: llama.cpp's kernels are faster
 # than PyTorch's bf16/fp32 on every CPU measured (docs/benchmarks.md), and it runs the GGUF's own weights.
@@ -34,13 +24,13 @@ class BackendChoiceError(BackendError):
     """A backend that cannot run the given source or options; the message says why."""
 
 
-def backend(name: str) -> ModuleType:
+def backend(name: str) -> Runtime:
     """The runtime subpackage called `name`."""
     if name not in BACKENDS:
         raise BackendChoiceError(
             f"unknown backend {name!r}; choose {', '.join(sorted(BACKENDS, reverse=True))} or auto"
         )
-    return importlib.import_module(f"specexec.backends.{name}")
+    return cast(Runtime, importlib.import_module(f"specexec.backends.{name}"))
 
 
 def choose_backend(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -74,6 +75,42 @@ class Runner(Protocol):
     def idle(self) -> None:
         """Its generation was released: let go of what only forwards need (a streamed model's read-ahead
         window) until the next forward; the cache stays."""
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """What a runtime subpackage of `specexec.backends` exposes (`backends.backend(name)`)."""
+
+    LABEL: str  # its name in messages
+    WEIGHTS: str  # "gguf" (loads a GGUF file) or "folder" (a Hugging Face folder)
+    # The load options it takes: fields of `LoadOptions` ("dtype", "offload", "quant", "threads", "vocab",
+    # "ram"), "gguf_quant" for a `quant` of GGUF_QUANTS
+    OPTIONS: tuple[str, ...]
+    MAX_TREE_LEAVES: int | None  # the most leaves one forward verifies (None: any tree)
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here (its library is not installed), if it cannot."""
+
+    def refusal(self, given: list[tuple[str, str]]) -> str | None:
+        """Why it cannot load with the options `given` (each an option key, e.g. "quant", and the option
+        in the user's words), if it cannot."""
+
+    def load(self, path: Path, options: LoadOptions) -> Model:
+        """The model at `path` (a GGUF file or a folder, as WEIGHTS says), loaded as `options` ask."""
+
+    def default_draft_vocab(self, vocab_size: int) -> int:
+        """The ids `--draft-vocab auto` keeps (0: the whole head)."""
+
+    def default_draft_quant(self, streamed_target: bool) -> str:
+        """A draft's quantization where none is asked for, beside a target streamed from disk or not."""
+
+
+@runtime_checkable
+class StreamingRuntime(Runtime, Protocol):
+    """A runtime with "ram" in OPTIONS: it streams a model's weights from disk."""
+
+    def least_ram(self, path: Path) -> int:
+        """The least RAM above 0 the model at `path` streams in."""
 
 
 @runtime_checkable
