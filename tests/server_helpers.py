@@ -139,3 +139,17 @@ def sse_events(response: httpx.Response) -> Iterator[str]:
     for line in response.iter_lines():
         if line.startswith("data: "):
             yield line[len("data: ") :]
+
+
+def wait_serving(process, url: str, seconds: float) -> None:
+    """Wait until the server `process` (a `subprocess.Popen` with its output piped) answers `url`'s
+    /health with 200; fail with its output if it exits first, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +151,8 @@ def test_serve_runs_at_its_defaults_with_ram(tmp_path: Path) -> None:
     assert "specexec serve --ram 12GiB" in (ROOT / "docs" / "bigger-than-ram.md").read_text()
     pytest.importorskip("llama_cpp", reason="the documented forms run on the default llama.cpp backend")
     pytest.importorskip("fastapi", reason="the server needs specexec[server]")
+    from server_helpers import wait_serving
+
     target, draft = tiny_pair(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -165,15 +166,7 @@ def test_serve_runs_at_its_defaults_with_ram(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_serving(proc, url, 180)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         request = {"model": model, "prompt": "ab a", "max_tokens": 4}
         reply = httpx.post(url + "/v1/completions", json=request, timeout=60)

@@ -23,7 +23,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_helpers import CONTEXT_WINDOW, SlowModel, byte_tokenizer, live_server, sse_events, tiny_pair
+from server_helpers import (
+    CONTEXT_WINDOW,
+    SlowModel,
+    byte_tokenizer,
+    live_server,
+    sse_events,
+    tiny_pair,
+    wait_serving,
+)
 
 import specexec
 from specexec.server import add_serve_arguments, create_app
@@ -1081,15 +1089,7 @@ def test_serve_loads_safetensors_folders_and_answers(tmp_path, pair, tok):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_serving(proc, url, 120)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         ids = tok("served")["input_ids"]
         text, _ = reference(pair, tok, ids, 8)
