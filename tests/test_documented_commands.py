@@ -78,6 +78,7 @@ FORMS = [
     ),
     ("bigger-than-ram.md", 'specexec generate --ram 0 "def quicksort(xs):"', ["generate", "--ram", "0"]),
     ("bigger-than-ram.md", "--ram auto", ["generate", "--ram", "auto"]),
+    ("README.md", "specexec calibrate [--target SRC] [--draft SRC]", ["calibrate"]),
     ("bigger-than-ram.md", "specexec calibrate --ram 512MiB", ["calibrate", "--ram", "SIZE"]),
     (
         "bigger-than-ram.md",
