@@ -269,11 +269,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         llamacpp_spec=llamacpp_spec,
     )
     last = list(pairs.values())[-1]  # several levels: the report names the last one's backends
-    llama_cpp = None
-    if llamacpp or llamacpp_spec or "llamacpp" in (last.target_backend, last.draft_backend):
-        from specexec.backends.llamacpp.extra_buffers import kernels
-
-        llama_cpp = kernels()
+    ran_llama_cpp = llamacpp or llamacpp_spec or "llamacpp" in (last.target_backend, last.draft_backend)
     draft = as_model(main_pair.draft) if main_pair.draft is not None else None
     machine = machine_info(
         dtype=as_model(main_pair.target).weights,
@@ -287,7 +283,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         draft_quant=draft.quantization if draft is not None else None,
         draft_weights=draft.weights if draft is not None else None,
         backend=last.backend_label,
-        llama_cpp=llama_cpp,
+        llama_cpp=_llama_cpp_kernels() if ran_llama_cpp else None,
     )
     paths = write_outputs(args.out, result.records, result.rows, machine)
     _print_rows(result.rows)
@@ -305,6 +301,16 @@ def _draft_vocabs(spec: PairSpec, requested: list[int | str], vocab_size: int) -
         if n:
             check_draft_vocab(n, vocab_size)
     return vocabs
+
+
+def _llama_cpp_kernels() -> dict:
+    """llama.cpp's version and kernels in this process, for the report (a target streamed from disk runs
+    without extra buffer types in any case)."""
+    import llama_cpp
+
+    from specexec.backends.llamacpp.extra_buffers import extra_buffers_usable, kernels
+
+    return {"llama_cpp_python": llama_cpp.__version__, **kernels(extra_buffers_usable())}
 
 
 def _default_budgets(spec: PairSpec) -> list[int | str]:

@@ -34,7 +34,7 @@ import torch
 
 from specexec.backends.gguf_files import file_bytes
 from specexec.backends.llamacpp.draft_gguf import COPY_FILE
-from specexec.backends.llamacpp.extra_buffers import amx_in_build
+from specexec.backends.llamacpp.extra_buffers import kernels
 from specexec.backends.llamacpp.library import INSTALL_HINT
 from specexec.backends.llamacpp.weights import LoadedWeights, evict, load_weights, restore_resident
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
@@ -116,7 +116,7 @@ class LlamaCpp:
         wall = clock(CPU) - start - evicting
         settings = {
             "gguf": self.gguf.name, "threads": self.threads, "llama_cpp_python": self.version,
-            **buffer_settings(self.extra_buffers),
+            **kernels(self.extra_buffers),
         }  # fmt: skip
         if self.short:
             settings["evicted_before_every_pass"] = True
@@ -212,19 +212,13 @@ class LlamaCppSpeculative:
             "draft_length": draft_length,
             "threads": self.threads,
             "llama_cpp_python": self.version,
-            **buffer_settings(self.extra_buffers),
+            **kernels(self.extra_buffers),
         }
         record = _record(
             input_ids, tokens, eos, prefill, wall, self.target_calls, int(drafter.calls), drafter.seconds,
             settings,
         )  # fmt: skip
         return {**record, "tree_sizes": [], "tree_depths": []}
-
-
-def buffer_settings(extra_buffers: bool) -> dict:
-    """What a record says of the target's kernels: extra buffer types (repacked weights, AMX tiles) on
-    or off, and whether that means AMX."""
-    return {"extra_buffers": extra_buffers, "amx": extra_buffers and amx_in_build()}
 
 
 def _record(

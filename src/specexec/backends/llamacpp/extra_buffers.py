@@ -5,8 +5,8 @@ llama.cpp built by GCC 12 for an Intel CPU with AMX dies of SIGILL on its first 
 library build and CPU a child process loads a tiny Q8_0 model with llama.cpp's defaults (extra buffer
 types on) and decodes a block of tokens. The answer is cached under the cache root, keyed on the bytes
 of llama-cpp-python's libraries and the CPU's identity and flags. Where the child fails, every model
-loads with the extra buffer types off (`use_extra_bufts = False`: plain ggml kernels, slower batched
-passes, same results) and one line says so and how to rebuild.
+loads with the extra buffer types off (`use_extra_bufts = False`: ggml's plain kernels for the same
+model, slower batched passes) and one line says so and how to rebuild.
 
 Run as `python -m specexec.backends.llamacpp.extra_buffers GGUF`, this module is that child.
 """
@@ -65,14 +65,10 @@ def extra_buffers_usable() -> bool:
     return verdict.usable
 
 
-def kernels() -> dict:
-    """What a benchmark records of llama.cpp's kernels in this process: its version, whether extra
-    buffer types are on (a target streamed from disk runs without them in any case), whether AMX."""
-    import llama_cpp
-
-    usable = extra_buffers_usable()
-    amx = usable and amx_in_build()
-    return {"llama_cpp_python": llama_cpp.__version__, "extra_buffers": usable, "amx": amx}
+def kernels(extra_buffers: bool) -> dict:
+    """What a record says of llama.cpp's kernels for a model loaded with extra buffer types on or off:
+    that, and whether it means AMX tiles."""
+    return {"extra_buffers": extra_buffers, "amx": extra_buffers and amx_in_build()}
 
 
 def amx_in_build() -> bool:
