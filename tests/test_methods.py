@@ -34,6 +34,8 @@ def test_a_budget_resolves_once_to_one_value(name: str, given, resolved) -> None
         ("specexec", True, "got True"),
         ("specexec", "64", "got '64'"),
         ("specexec", 2.5, "got 2.5"),
+        ("sd", Fixed(0), "got 0"),  # a resolved value is checked too
+        ("ar", Auto(), "budget 'auto' is for methods"),
     ],
 )
 def test_a_budget_a_method_cannot_take_is_refused(name: str, given, message: str) -> None:

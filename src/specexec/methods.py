@@ -111,7 +111,7 @@ class Method:
         """The one budget value of a generation: `budget` as given ("auto", an integer, or already
         resolved), or the method's default where None. Raises `BudgetError` for one it cannot take."""
         if isinstance(budget, Fixed | Auto):
-            return budget
+            budget = budget.option  # checked as the option would be
         value = self.default_budget if budget is None else budget
         if value == "auto":
             if not self.auto:
