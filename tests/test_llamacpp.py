@@ -728,16 +728,17 @@ def test_sampling_negative_control(gguf_dir: Path) -> None:
 
 
 def test_auto_backend_is_llamacpp_for_gguf_sources_without_torch_only_options(tmp_path: Path) -> None:
+    from specexec.backends.options import LoadOptions
     from specexec.models import ModelSourceError, choose_backend
 
     gguf = str(tmp_path / "m.gguf")
     assert choose_backend("auto", gguf, []) == "llamacpp"
     assert choose_backend("auto", "qwen2.5-coder-1.5b", []) == "llamacpp"
-    assert choose_backend("auto", gguf, [("quant", "--quant int8")]) == "torch"
+    assert choose_backend("auto", gguf, LoadOptions(quant="int8").given()) == "torch"
     assert choose_backend("auto", str(tmp_path), []) == "torch"  # a Hugging Face folder
     assert choose_backend("torch", gguf, []) == "torch"
     with pytest.raises(ModelSourceError, match="--quant w4a8 is for the torch backend"):
-        choose_backend("llamacpp", gguf, [("quant", "--quant w4a8")])
+        choose_backend("llamacpp", gguf, LoadOptions(quant="w4a8").given())
     with pytest.raises(ModelSourceError, match="runs GGUF models"):
         choose_backend("llamacpp", str(tmp_path), [])
 

@@ -11,6 +11,7 @@ import torch
 
 import specexec.models
 from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB as LLAMACPP_DRAFT_VOCAB
+from specexec.backends.options import Given, LoadOptions
 from specexec.cli_args import OneLineParser, add_model_args, non_negative_int, pair_spec, positive_int
 from specexec.loading import (
     LoadedPair,
@@ -29,7 +30,7 @@ def chosen(monkeypatch) -> list[tuple]:
     calls = []
 
     def choose(requested, source, given):
-        torch_options = [words for _, words in given]
+        torch_options = [option.words for option in given]
         calls.append((requested, source, torch_options))
         if requested == "torch" or torch_options:
             return "torch"
@@ -44,8 +45,8 @@ def loaded(monkeypatch, chosen) -> list[dict]:
     """load_model's calls; tokenizers report a vocabulary of 100 000 ids."""
     calls = []
 
-    def load_model(source, dtype=None, **options):
-        calls.append({"source": source, "dtype": dtype, **options})
+    def load_model(source, dtype, backend, options):
+        calls.append({"source": source, "dtype": dtype, "backend": backend, "options": options})
         return SimpleNamespace(source=source, device=torch.device("cpu"))
 
     monkeypatch.setattr(specexec.models, "load_model", load_model)
@@ -54,10 +55,26 @@ def loaded(monkeypatch, chosen) -> list[dict]:
     return calls
 
 
+def test_load_options_say_what_was_given_in_the_users_words() -> None:
+    assert LoadOptions(threads=4, vocab=100).given() == []  # every backend takes these
+    given = LoadOptions(dtype=torch.float32, quant="int8", ram=0).given()  # a torch.dtype, by name
+    assert [(option.key, option.words) for option in given] == [
+        ("dtype", "--dtype float32"), ("quant", "--quant int8"), ("ram", "--ram")
+    ]  # fmt: skip
+    assert LoadOptions(quant="q4_0").given() == [
+        Given("gguf_quant", "--draft-quant q4_0", "a GGUF draft requantized by llama.cpp")
+    ]
+
+
+def test_a_draft_loads_with_the_targets_options_less_the_targets_own() -> None:
+    target = LoadOptions(dtype="float32", threads=2, offload={}, simulate_offload_gbps=1.0, ram="auto")
+    assert target.for_draft() == LoadOptions(dtype="float32", threads=2)
+
+
 def test_target_backend_names_the_torch_only_options(chosen) -> None:
-    spec = PairSpec("t.gguf", None, backend="llamacpp", dtype="float32", quant="int8", gpu_memory="1GiB")
-    target_backend(spec)
-    target_backend(PairSpec("t.gguf", None, quant_offload="nf4", simulate_offload_gbps=2.0))
+    load = LoadOptions(dtype="float32", quant="int8", offload={"gpu_memory": "1GiB"})
+    target_backend(PairSpec("t.gguf", None, load, backend="llamacpp"))
+    target_backend(PairSpec("t.gguf", None, LoadOptions(offload={}, simulate_offload_gbps=2.0)))
     assert chosen == [
         ("llamacpp", "t.gguf", ["--dtype float32", "--quant int8", "--offload"]),
         ("auto", "t.gguf", ["--offload", "--simulate-offload-gbps"]),
@@ -65,9 +82,10 @@ def test_target_backend_names_the_torch_only_options(chosen) -> None:
 
 
 def test_draft_backend_follows_its_own_options_before_the_pairs(chosen) -> None:
-    draft_backend(PairSpec("t", "d.gguf", backend="torch", draft_backend="llamacpp", quant="int8"))
-    draft_backend(PairSpec("t", "d.gguf", quant="int8", draft_quant="none", offload=True))
-    draft_backend(PairSpec("t", "d.gguf", dtype="bfloat16", draft_quant="int4"))
+    int8 = LoadOptions(quant="int8")
+    draft_backend(PairSpec("t", "d.gguf", int8, backend="torch", draft_backend="llamacpp"))
+    draft_backend(PairSpec("t", "d.gguf", LoadOptions(quant="int8", offload={}), draft_quant="none"))
+    draft_backend(PairSpec("t", "d.gguf", LoadOptions(dtype="bfloat16"), draft_quant="int4"))
     assert chosen == [
         ("llamacpp", "d.gguf", ["--quant int8"]),
         ("auto", "d.gguf", []),  # offloading is the target's alone
@@ -84,25 +102,25 @@ def test_a_draft_runs_its_own_quantization_else_the_targets(loaded) -> None:
     for spec, quant in [
         (PairSpec("t", "d.gguf"), "none"),
         (PairSpec("t", "d.gguf", draft_quant="q4_0"), "q4_0"),
-        (PairSpec("t", "d", quant="int8"), "int8"),
-        (PairSpec("t", "d", quant="int8", draft_quant="int4"), "int4"),
+        (PairSpec("t", "d", LoadOptions(quant="int8")), "int8"),
+        (PairSpec("t", "d", LoadOptions(quant="int8"), draft_quant="int4"), "int4"),
     ]:
         loaded.clear()
         load_pair(spec)
-        assert loaded[0]["quant"] == quant, spec  # the draft loads first
+        assert loaded[0]["options"].quant == quant, spec  # the draft loads first
 
 
 def test_a_llamacpp_draft_beside_a_streamed_target_runs_q4_0_unless_told(loaded) -> None:
     for spec, quant in [
-        (PairSpec("t.gguf", "d.gguf", ram=0), "q4_0"),
-        (PairSpec("t.gguf", "d.gguf", ram=2**29, draft_quant="none"), "none"),
-        (PairSpec("t.gguf", "d.gguf", ram=0, draft_quant="q8_0"), "q8_0"),
-        (PairSpec("t.gguf", "d", ram=0), "none"),  # a torch draft
+        (PairSpec("t.gguf", "d.gguf", LoadOptions(ram=0)), "q4_0"),
+        (PairSpec("t.gguf", "d.gguf", LoadOptions(ram=2**29), draft_quant="none"), "none"),
+        (PairSpec("t.gguf", "d.gguf", LoadOptions(ram=0), draft_quant="q8_0"), "q8_0"),
+        (PairSpec("t.gguf", "d", LoadOptions(ram=0)), "none"),  # a torch draft
         (PairSpec("t.gguf", "d.gguf"), "none"),  # a target in RAM
     ]:
         loaded.clear()
         load_pair(spec)
-        assert loaded[0]["quant"] == quant, spec
+        assert loaded[0]["options"].quant == quant, spec
 
 
 def test_backend_label() -> None:
@@ -115,18 +133,16 @@ def test_backend_label() -> None:
 
 
 def test_load_pair_loads_each_model_as_the_spec_asks(loaded) -> None:
-    spec = PairSpec("t", "d.gguf", quant="int8", draft_quant="none", ring_size=3, gpu_memory="2GiB")
-    pair = load_pair(spec)
+    offload = {"ring_size": 3, "gpu_memory": "2GiB", "codec": None}
+    load = LoadOptions(quant="int8", threads=2, offload=offload)
+    pair = load_pair(PairSpec("t", "d.gguf", load, draft_quant="none"))
     draft, target = loaded  # the draft loads first: its errors come before the slow target load
     assert draft == {
-        "source": "d.gguf", "dtype": None, "quant": "none", "vocab": LLAMACPP_DRAFT_VOCAB,
-        "backend": "llamacpp", "threads": None,
+        "source": "d.gguf", "dtype": None, "backend": "llamacpp",
+        "options": LoadOptions(threads=2, vocab=LLAMACPP_DRAFT_VOCAB),  # not the target's offloading
     }  # fmt: skip
-    assert target == {
-        "source": "t", "dtype": specexec.models.default_dtype(), "quant": "int8", "backend": "torch",
-        "threads": None, "offload": {"ring_size": 3, "gpu_memory": "2GiB", "codec": None},
-        "simulate_offload_gbps": None, "ram": None,
-    }  # fmt: skip
+    dtype = str(specexec.models.default_dtype()).removeprefix("torch.")
+    assert target == {"source": "t", "dtype": dtype, "backend": "torch", "options": load}
     assert (pair.target.source, pair.draft.source) == ("t", "d.gguf")
     assert (pair.target_backend, pair.draft_backend) == ("torch", "llamacpp")
     assert (
@@ -137,21 +153,10 @@ def test_load_pair_loads_each_model_as_the_spec_asks(loaded) -> None:
 def test_load_pair_without_a_draft_and_with_a_fixed_draft_vocab(loaded) -> None:
     pair = load_pair(PairSpec("t.gguf", None))
     assert pair.draft is None and pair.draft_backend is None and pair.backend_label == "llamacpp"
-    assert loaded == [
-        {
-            "source": "t.gguf",
-            "dtype": None,
-            "offload": None,
-            "quant": "none",
-            "backend": "llamacpp",
-            "threads": None,
-            "simulate_offload_gbps": None,
-            "ram": None,
-        }
-    ]
+    assert loaded == [{"source": "t.gguf", "dtype": None, "backend": "llamacpp", "options": LoadOptions()}]
     loaded.clear()
     assert load_pair(PairSpec("t", "d.gguf", draft_vocab=500)).draft_vocab == 500
-    assert loaded[0]["vocab"] == 500
+    assert loaded[0]["options"].vocab == 500
 
 
 def _parse(*argv: str, quant_list: bool = False) -> argparse.Namespace:
@@ -167,10 +172,11 @@ def test_pair_spec_carries_every_model_option() -> None:
         "--ring-size", "4", "--gpu-memory", "1GiB", "--quant-offload", "nf4",
         "--simulate-offload-gbps", "2.5",
     )  # fmt: skip
+    offload = {"ring_size": 4, "gpu_memory": "1GiB", "codec": "nf4"}
+    load = LoadOptions(dtype="float32", quant="int8", threads=3, offload=offload, simulate_offload_gbps=2.5)
     assert pair_spec(args, with_draft=True) == PairSpec(
-        target="t", draft="d", backend="torch", draft_backend="llamacpp", dtype="float32", quant="int8",
-        draft_quant="int4", draft_vocab=7, threads=3, offload=False, ring_size=4, gpu_memory="1GiB",
-        quant_offload="nf4", simulate_offload_gbps=2.5,
+        target="t", draft="d", load=load, backend="torch", draft_backend="llamacpp", draft_quant="int4",
+        draft_vocab=7,
     )  # fmt: skip
     assert pair_spec(args, with_draft=False).draft is None
 
@@ -178,8 +184,10 @@ def test_pair_spec_carries_every_model_option() -> None:
 def test_pair_spec_takes_one_level_of_the_benchs_lists() -> None:
     args = _parse("--quant", "none,int8", "--draft-vocab", "auto,64", quant_list=True)
     spec = pair_spec(args, with_draft=True, quant="int8", draft_vocab=64)
-    assert (spec.quant, spec.draft_vocab, spec.offloads) == ("int8", 64, False)
-    assert pair_spec(_parse("--offload"), with_draft=True).offloads
+    assert (spec.load.quant, spec.draft_vocab, spec.load.offload) == ("int8", 64, None)
+    assert pair_spec(_parse("--offload"), with_draft=True).load.offload == {
+        "ring_size": 2, "gpu_memory": None, "codec": None
+    }  # fmt: skip
 
 
 def test_integer_options_say_what_is_wrong(capsys) -> None:

@@ -656,12 +656,13 @@ def test_ram_auto_keeps_resident_what_the_memory_left_holds(
 ) -> None:
     """Between the two: the memory left after the reserve is the SIZE, and the plan keeps layers of it."""
     from specexec import host_memory
+    from specexec.backends.options import LoadOptions
     from specexec.loading import PairSpec, resolve_ram
 
     left = half(gguf)
     monkeypatch.setattr(host_memory, "available_memory", lambda: host_memory.RUNTIME_RESERVE + left)
-    spec = resolve_ram(PairSpec(str(gguf), None, backend="llamacpp", ram="auto"))
-    assert spec.ram == left and stream.plan(gguf, left).resident_bytes > 0
+    spec = resolve_ram(PairSpec(str(gguf), None, LoadOptions(ram="auto"), backend="llamacpp"))
+    assert spec.load.ram == left and stream.plan(gguf, left).resident_bytes > 0
     assert capsys.readouterr().err == (
         f"[--ram auto: {format_bytes(left)} for the target's weights "
         f"({format_bytes(host_memory.RUNTIME_RESERVE + left)} available, less 1.0 GiB for caches and "

@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specexec.backends.base import SlotRunner
+from specexec.backends.options import Given
 
 
 class ToyModel:
@@ -141,8 +142,8 @@ def unavailable() -> str | None:
     return None
 
 
-def refusal(given: list[tuple[str, str]]) -> str | None:
-    return f"{given[0][1]} is not for the toy backend" if given else None
+def refusal(given: list[Given]) -> str | None:
+    return f"{given[0].words} is not for the toy backend" if given else None
 
 
 def load(path, options) -> ToyModel:

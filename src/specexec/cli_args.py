@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from specexec.backends.options import LoadOptions
 from specexec.loading import PairSpec
 from specexec.sizes import SizeError, parse_size
 
@@ -105,8 +106,8 @@ def _add_source_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_args(parser: argparse.ArgumentParser, lists: bool) -> None:
-    from specexec.backends.base import GGUF_QUANTS, QUANT_MODES
     from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB
+    from specexec.backends.options import GGUF_QUANTS, QUANT_MODES
 
     quant_help = (
         "CPU quantization of target and draft: int8 per channel or int4 per group of 64 (weight-only, "
@@ -197,7 +198,7 @@ def _vocab_list(text: str) -> list[int | str]:
 
 
 def _quant_list(text: str) -> list[str]:
-    from specexec.backends.base import QUANT_MODES
+    from specexec.backends.options import QUANT_MODES
 
     levels = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [level for level in levels if level not in QUANT_MODES]
@@ -224,20 +225,22 @@ def pair_spec(
 ) -> PairSpec:
     """The pair the model options of `add_model_args` name; the draft only `with_draft`. `quant` and
     `draft_vocab` stand in for the options (the bench's --quant and --draft-vocab are lists)."""
+    offloads = args.offload or args.gpu_memory or args.quant_offload  # both imply --offload
+    offload = {"ring_size": args.ring_size, "gpu_memory": args.gpu_memory, "codec": args.quant_offload}
+    load = LoadOptions(
+        dtype=args.dtype,
+        quant=args.quant if quant is None else quant,
+        threads=args.threads,
+        offload=offload if offloads else None,
+        simulate_offload_gbps=args.simulate_offload_gbps,
+        ram=args.ram,
+    )
     return PairSpec(
         target=args.target,
         draft=args.draft if with_draft else None,
+        load=load,
         backend=args.backend,
         draft_backend=args.draft_backend,
-        dtype=args.dtype,
-        quant=args.quant if quant is None else quant,
         draft_quant=args.draft_quant,
         draft_vocab=args.draft_vocab if draft_vocab is None else draft_vocab,
-        threads=args.threads,
-        offload=args.offload,
-        ring_size=args.ring_size,
-        gpu_memory=args.gpu_memory,
-        quant_offload=args.quant_offload,
-        simulate_offload_gbps=args.simulate_offload_gbps,
-        ram=args.ram,
     )

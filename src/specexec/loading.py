@@ -1,16 +1,18 @@
 """Loading the model pair a command runs: the tokenizer, the target and the draft, each on its backend.
 
-`PairSpec` says what to load (the command line's model options as plain values) and `load_pair` loads
-it into a `LoadedPair`. The backend decisions are small functions of their own: `target_backend`,
-`draft_backend`, `draft_quant` (the draft's weights beside a target streamed from disk), `draft_vocab` (what
-"auto" means for the draft's vocabulary) and `backend_label`.
+`PairSpec` says what to load (the target's `LoadOptions`, as the command line gave them, and the draft's
+own choices) and `load_pair` loads it into a `LoadedPair`. The backend decisions are small functions of
+their own: `target_backend`, `draft_backend`, `draft_quant` (the draft's weights beside a target streamed
+from disk), `draft_vocab` (what "auto" means for the draft's vocabulary) and `backend_label`.
 Importing this module loads neither torch nor transformers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from specexec.backends.options import LoadOptions
 
 if TYPE_CHECKING:
     import torch
@@ -19,32 +21,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PairSpec:
-    """What to load. `draft` None loads no draft; `draft_backend` None follows `backend`, `draft_quant`
-    None follows `quant` (but see `draft_quant`). `dtype` None is `specexec.models.default_dtype()`.
-    `draft_vocab`: the token ids the draft scores (0 = all, "auto": `draft_vocab`). The offloading
-    options apply to the target only."""
+    """What to load. `load`: the target's options; the draft's are the same less the target's own
+    (`LoadOptions.for_draft`), at its own quantization and vocabulary. `draft` None loads no draft;
+    `draft_backend` None follows `backend`, `draft_quant` None follows `load.quant` (but see
+    `draft_quant`). A `load.dtype` of None is `specexec.models.default_dtype()` on the torch backend.
+    `draft_vocab`: the token ids the draft scores (0 = all, "auto": `draft_vocab`)."""
 
     target: str
     draft: str | None
+    load: LoadOptions = field(default_factory=LoadOptions)
     backend: str = "auto"
     draft_backend: str | None = None
-    dtype: str | None = None
-    quant: str = "none"
     draft_quant: str | None = None
     draft_vocab: int | str = "auto"
-    threads: int | None = None
-    offload: bool = False
-    ring_size: int = 2
-    gpu_memory: str | None = None
-    quant_offload: str | None = None
-    simulate_offload_gbps: float | None = None
-    # Bytes of RAM the target's weights may use (llama.cpp streams the rest); "auto": `resolve_ram`
-    ram: int | str | None = None
 
-    @property
-    def offloads(self) -> bool:
-        """Whether the target streams its layers (--gpu-memory and --quant-offload imply --offload)."""
-        return bool(self.offload or self.gpu_memory or self.quant_offload)
+    def with_load(self, **changes: Any) -> PairSpec:
+        """This spec with the target's load options changed as `changes` say."""
+        return replace(self, load=replace(self.load, **changes))
 
 
 @dataclass
@@ -85,19 +78,15 @@ def load_pair(spec: PairSpec) -> LoadedPair:
     from specexec.backends import as_model
     from specexec.models import load_model, load_tokenizer
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    if spec.load.threads:
+        torch.set_num_threads(spec.load.threads)
     spec = resolve_ram(spec)
     backend = target_backend(spec)
     tokenizer = load_tokenizer(spec.target)
     draft = load_draft(spec, tokenizer) if spec.draft is not None else None
-    target = load_model(
-        spec.target, _dtype(spec.dtype, backend), offload=_offload_options(spec), quant=spec.quant,
-        backend=backend, threads=spec.threads, simulate_offload_gbps=spec.simulate_offload_gbps,
-        ram=spec.ram,
-    )  # fmt: skip
+    target = load_model(spec.target, _dtype(spec.load.dtype, backend), backend, spec.load)
     pair = LoadedPair(tokenizer, target, backend)
-    if spec.simulate_offload_gbps is not None:
+    if spec.load.simulate_offload_gbps is not None:
         pair.simulated = as_model(target).cost_label
     if draft is not None:
         if target.device.type == "cuda":
@@ -119,24 +108,24 @@ def resolve_ram(spec: PairSpec) -> PairSpec:
     from specexec.models import ModelSourceError, gguf_file, weights_bytes
     from specexec.sizes import format_bytes as size
 
-    if spec.ram not in (None, "auto"):
+    if spec.load.ram not in (None, "auto"):
         return spec
     backend = runtime(target_backend(spec))
     if not isinstance(backend, StreamingRuntime):
         return spec
     available = available_memory()
     if available is None:
-        if spec.ram is None:
+        if spec.load.ram is None:
             return spec
         raise BackendError("--ram auto reads the memory available from /proc/meminfo: give a SIZE here")
     try:
         target, draft = weights_bytes(spec.target), weights_bytes(spec.draft) if spec.draft is not None else 0
         ram = auto_ram(target, draft, available, backend.least_ram(gguf_file(spec.target)))
     except (ModelSourceError, BackendError, OSError):
-        if spec.ram is None:
+        if spec.load.ram is None:
             return spec  # loading the models says what is wrong with them
         raise
-    if spec.ram is None:
+    if spec.load.ram is None:
         if ram is not None:
             print(
                 f"[the target's {size(target)} of weights do not fit in the {size(available)} of memory "
@@ -156,7 +145,7 @@ def resolve_ram(spec: PairSpec) -> PairSpec:
     else:
         said = f"{size(available)} available is too little to keep any of the target resident: --ram 0"
     print(f"[--ram auto: {said}]", file=sys.stderr)
-    return replace(spec, ram=ram)
+    return spec.with_load(ram=ram)
 
 
 def load_draft(spec: PairSpec, target_tokenizer: PreTrainedTokenizerBase) -> LoadedDraft:
@@ -167,10 +156,8 @@ def load_draft(spec: PairSpec, target_tokenizer: PreTrainedTokenizerBase) -> Loa
     tokenizer = load_tokenizer(spec.draft)
     check_same_vocab(target_tokenizer, tokenizer)
     vocab = draft_vocab(spec.draft_vocab, backend, len(tokenizer))
-    model = load_model(
-        spec.draft, _dtype(spec.dtype, backend), quant=draft_quant(spec, backend), vocab=vocab,
-        backend=backend, threads=spec.threads,
-    )  # fmt: skip
+    options = replace(spec.load.for_draft(), quant=draft_quant(spec, backend), vocab=vocab)
+    model = load_model(spec.draft, _dtype(spec.load.dtype, backend), backend, options)
     return LoadedDraft(model, backend, vocab)
 
 
@@ -187,24 +174,14 @@ def target_backend(spec: PairSpec) -> str:
     """The backend the target runs on: a backend without one of the options given is ruled out."""
     from specexec.models import choose_backend
 
-    given = [("dtype", f"--dtype {spec.dtype}")] if spec.dtype else []
-    given += [("quant", f"--quant {spec.quant}")] if spec.quant != "none" else []
-    given += [("offload", "--offload")] if spec.offloads else []
-    given += [("offload", "--simulate-offload-gbps")] if spec.simulate_offload_gbps is not None else []
-    given += [("ram", "--ram")] if spec.ram is not None else []
-    return choose_backend(spec.backend, spec.target, given)
+    return choose_backend(spec.backend, spec.target, spec.load.given())
 
 
 def draft_backend(spec: PairSpec) -> str:
     """The backend the draft runs on, at its own quantization level (`draft_quant`, else `quant`)."""
-    from specexec.backends.base import quant_option
     from specexec.models import choose_backend
 
-    quant = spec.draft_quant or spec.quant
-    key = quant_option(quant)
-    flag = "--draft-quant" if key == "gguf_quant" else "--quant"  # the GGUF ones are a draft's alone
-    given = [("dtype", f"--dtype {spec.dtype}")] if spec.dtype else []
-    given += [(key, f"{flag} {quant}")] if quant != "none" else []
+    given = replace(spec.load.for_draft(), quant=spec.draft_quant or spec.load.quant).given()
     return choose_backend(spec.draft_backend or spec.backend, spec.draft, given)
 
 
@@ -214,9 +191,9 @@ def draft_quant(spec: PairSpec, backend: str) -> str:
     copy for a llama.cpp draft beside a streamed target, measured faster there, docs/benchmarks.md)."""
     from specexec.backends import backend as runtime
 
-    quant = spec.draft_quant or spec.quant
+    quant = spec.draft_quant or spec.load.quant
     if spec.draft_quant is None and quant == "none":
-        return runtime(backend).default_draft_quant(spec.ram is not None)
+        return runtime(backend).default_draft_quant(spec.load.ram is not None)
     return quant
 
 
@@ -231,19 +208,14 @@ def draft_vocab(value: int | str, backend: str, vocab_size: int) -> int:
     return runtime(backend).default_draft_vocab(vocab_size)
 
 
-def _dtype(name: str | None, backend: str) -> torch.dtype | None:
-    """The in-memory dtype to load with on `backend`: None where it has no such option."""
+def _dtype(name: str | None, backend: str) -> str | None:
+    """The in-memory dtype to load with on `backend` (`name`, else the hardware's default): None where
+    it has no such option."""
     from specexec.backends import backend as runtime
 
-    return torch_dtype(name) if "dtype" in runtime(backend).OPTIONS else None
+    return str(torch_dtype(name)).removeprefix("torch.") if "dtype" in runtime(backend).OPTIONS else None
 
 
 def backend_label(target: str, draft: str | None) -> str:
     """The target's backend, or "target X, draft Y" where they differ, for the stats line."""
     return target if draft in (None, target) else f"target {target}, draft {draft}"
-
-
-def _offload_options(spec: PairSpec) -> dict | None:
-    if not spec.offloads:
-        return None
-    return {"ring_size": spec.ring_size, "gpu_memory": spec.gpu_memory, "codec": spec.quant_offload}

@@ -15,8 +15,9 @@ import os
 import re
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 # huggingface_hub reads this once, when it is first imported, so it must be set before transformers
 # is. ``local_files_only=True`` below still guards every call if something imported it earlier.
@@ -32,8 +33,8 @@ from transformers import (  # noqa: E402
 
 from specexec import backends  # noqa: E402
 from specexec.backends import as_model  # noqa: E402
-from specexec.backends.base import LoadOptions, quant_option  # noqa: E402
 from specexec.backends.gguf_files import GGUFFileError, file_bytes, shards  # noqa: E402
+from specexec.backends.options import Given, LoadOptions  # noqa: E402
 from specexec.draft_vocab import check_draft_vocab  # noqa: E402
 from specexec.paths import cache_root  # noqa: E402
 
@@ -93,53 +94,31 @@ def default_dtype() -> torch.dtype:
 
 def load_model(
     source: str,
-    dtype: torch.dtype | None = None,
-    offload: dict | None = None,
-    quant: str = "none",
-    vocab: int = 0,
+    dtype: torch.dtype | str | None = None,
     backend: str = "torch",
-    threads: int | None = None,
-    simulate_offload_gbps: float | None = None,
-    ram: int | None = None,
+    options: LoadOptions | None = None,
+    **fields: Any,
 ):
-    """Load a causal LM in eval mode on the CPU, on the backend `backend` names (see `specexec.backends`).
+    """Load a causal LM in eval mode on the CPU, on the backend `backend` names (see `specexec.backends`),
+    as `options` ask (`LoadOptions`; `dtype` and `fields`, its fields by name, set over them).
 
     ``backend`` is one of `specexec.backends.BACKENDS`, or "auto" (the first that can, `choose_backend`):
-    llama.cpp's runs a GGUF source as it is, on ``threads`` threads, and refuses the torch backend's
-    options (``dtype``, ``offload``, ``quant`` but "q8_0" and "q4_0").
+    llama.cpp's runs a GGUF source as it is and refuses the torch backend's options (``dtype``,
+    ``offload``, ``quant`` but "q8_0" and "q4_0"), the torch backend llama.cpp's (``ram``).
 
     ``source`` is a local Hugging Face model folder (safetensors only), a ``.gguf`` file, or one of
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. On the torch backend, GGUF sources are converted once into a
-    bf16 cache folder; ``dtype`` is only the in-memory dtype (default bfloat16). ``offload`` (keyword
-    arguments of `specexec.backends.torch.offload.offload_model`) streams the decoder layers from host
-    memory to the GPU. ``quant`` ("none", "int8", "int4", "w4a8") stores the linear layers in low-bit form
-    for the CPU kernels; on llama.cpp, "q8_0" or "q4_0" runs a copy of the GGUF that llama.cpp requantized
-    (meant for drafts: `specexec.backends.llamacpp.draft_gguf`). ``simulate_offload_gbps`` charges every
-    forward the time to stream its weights at that speed (a stand-in for a GPU: every timing is then
-    simulated).
-    ``ram`` (bytes, llama.cpp) caps the RAM the weights use, the rest read from disk on every pass (0: as
-    little as it can). ``vocab`` > 0 makes a draft score only its first ``vocab`` token ids, plus its
-    special tokens (`specexec.draft_vocab`).
+    bf16 cache folder; ``dtype`` is only the in-memory dtype (default bfloat16).
     """
-    given = [
-        (key, words)
-        for key, words, present in (
-            ("dtype", f"dtype {dtype}", dtype is not None),
-            ("offload", "offloading", offload is not None),
-            (quant_option(quant), f"--quant {quant}", quant != "none"),
-            ("offload", "simulated offloading", simulate_offload_gbps is not None),
-            ("ram", "--ram", ram is not None),
-        )
-        if present
-    ]
-    runtime = backends.backend(choose_backend(backend, source, given))
-    always: tuple[int, ...] = ()
-    if vocab:
+    options = replace(options or LoadOptions(), **fields)
+    if dtype is not None:
+        options = replace(options, dtype=dtype)
+    runtime = backends.backend(choose_backend(backend, source, options.given()))
+    if options.vocab:
         tokenizer = load_tokenizer(source)
-        always = tuple(tokenizer.all_special_ids)
+        options = replace(options, always=tuple(tokenizer.all_special_ids))
         if runtime.WEIGHTS == "gguf":
-            check_draft_vocab(vocab, len(tokenizer))
-    options = LoadOptions(dtype, offload, quant, vocab, always, threads, simulate_offload_gbps, ram)
+            check_draft_vocab(options.vocab, len(tokenizer))
     if runtime.WEIGHTS == "gguf":
         try:
             return runtime.load(gguf_file(source), options)
@@ -220,10 +199,10 @@ def check_same_vocab(
     )
 
 
-def choose_backend(requested: str, source: str, given: list[tuple[str, str]]) -> str:
+def choose_backend(requested: str, source: str, given: list[Given]) -> str:
     """The backend that runs `source` (`specexec.backends.BACKENDS`; "auto" picks the first that is
-    installed and can). `given` names the load options given, each as (key, the option in the user's
-    words), e.g. ("quant", "--quant int8"): a backend without that option refuses it in those words."""
+    installed and can). `given`: the load options given (`LoadOptions.given`); a backend without one of
+    them refuses it in the user's words."""
     is_gguf = source in _PACKAGED or Path(source).expanduser().suffix.lower() == ".gguf"
     try:
         return backends.choose_backend(requested, source, is_gguf, given, _default_names())

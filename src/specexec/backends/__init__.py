@@ -14,6 +14,7 @@ import importlib
 from typing import cast
 
 from specexec.backends.base import BackendError, Model, Runner, Runtime
+from specexec.backends.options import Given
 
 # The runtimes that load model sources, in the order "auto" prefers them: llama.cpp's kernels are faster
 # than PyTorch's bf16/fp32 on every CPU measured (docs/benchmarks.md), and it runs the GGUF's own weights.
@@ -33,9 +34,7 @@ def backend(name: str) -> Runtime:
     return cast(Runtime, importlib.import_module(f"specexec.backends.{name}"))
 
 
-def choose_backend(
-    requested: str, source: str, is_gguf: bool, given: list[tuple[str, str]], gguf_names: str
-) -> str:
+def choose_backend(requested: str, source: str, is_gguf: bool, given: list[Given], gguf_names: str) -> str:
     """The backend that loads `source` (`is_gguf`: whether it is a GGUF) with the options `given` (see
     `refusal`): `requested` if it can, or for "auto" the first of BACKENDS that is installed and can.
     `gguf_names` lists the packaged GGUF sources, for the message to a GGUF-only backend given something

@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specexec.backends.options import Given, LoadOptions
+
 
 @runtime_checkable
 class Runner(Protocol):
@@ -83,17 +85,16 @@ class Runtime(Protocol):
 
     LABEL: str  # its name in messages
     WEIGHTS: str  # "gguf" (loads a GGUF file) or "folder" (a Hugging Face folder)
-    # The load options it takes: fields of `LoadOptions` ("dtype", "offload", "quant", "threads", "vocab",
-    # "ram"), "gguf_quant" for a `quant` of GGUF_QUANTS
+    # The keys of the load options it takes (`LoadOptions`' metadata: "dtype", "offload", "quant", "ram",
+    # "gguf_quant" for a `quant` of GGUF_QUANTS, ...); the options without a key every runtime takes
     OPTIONS: tuple[str, ...]
     MAX_TREE_LEAVES: int | None  # the most leaves one forward verifies (None: any tree)
 
     def unavailable(self) -> str | None:
         """Why it cannot run here (its library is not installed), if it cannot."""
 
-    def refusal(self, given: list[tuple[str, str]]) -> str | None:
-        """Why it cannot load with the options `given` (each an option key, e.g. "quant", and the option
-        in the user's words), if it cannot."""
+    def refusal(self, given: list[Given]) -> str | None:
+        """Why it cannot load with the options `given` (`LoadOptions.given`), if it cannot."""
 
     def load(self, path: Path, options: LoadOptions) -> Model:
         """The model at `path` (a GGUF file or a folder, as WEIGHTS says), loaded as `options` ask."""
@@ -247,34 +248,6 @@ def prefill(runner: Runner, tokens: torch.Tensor, cancelled: Callable[[], bool] 
     return True
 
 
-# What `LoadOptions.quant` may ask: weights as stored, or converted at load to a low-bit form for the CPU
-# kernels (the torch backend has them all; llama.cpp runs the GGUF's own types), or for a GGUF draft on
-# llama.cpp a copy requantized by llama.cpp's own quantizer (`backends.llamacpp.draft_gguf`).
-QUANT_MODES = ("none", "int8", "int4", "w4a8")
-GGUF_QUANTS = ("q8_0", "q4_0")
-
-
-def quant_option(quant: str) -> str:
-    """The load option a quantization asks for, as backends' `refusal` reads it."""
-    return "gguf_quant" if quant in GGUF_QUANTS else "quant"
-
-
 class BackendError(ValueError):
     """A runtime cannot do what was asked (an option it lacks, a model it cannot run, missing hardware);
     the message says why in one line."""
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How to load a model; each backend refuses the options it has not (`refusal`)."""
-
-    dtype: torch.dtype | None = None  # in-memory dtype (torch)
-    offload: dict | None = None  # streaming decoder layers to a GPU (torch): `offload_model` arguments
-    quant: str = "none"  # low-bit CPU weights: one of QUANT_MODES (torch) or GGUF_QUANTS (llama.cpp)
-    vocab: int = 0  # > 0: a draft that scores only its first `vocab` token ids (`specexec.draft_vocab`)
-    always: tuple[int, ...] = ()  # ids a reduced head keeps whatever `vocab` (the special tokens)
-    threads: int | None = None  # compute threads (llama.cpp; torch uses torch's setting)
-    simulate_offload_gbps: float | None = None  # charge every forward the time to stream its weights (torch)
-    ram: int | None = (
-        None  # RAM its weights may use (bytes); the rest is read from disk every pass (llama.cpp)
-    )

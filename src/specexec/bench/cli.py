@@ -231,7 +231,9 @@ def _run(args: argparse.Namespace, command: str) -> int:
     tokenizer = load_tokenizer(args.target)
     need_draft = any(method in DRAFT_METHODS for method in args.methods)
     spec = pair_spec(args, with_draft=need_draft, quant=args.quant[0], draft_vocab=0)  # resolved next
-    if spec.ram == "auto":  # once, for every method (load_pair says when a target without --ram won't fit)
+    if (
+        spec.load.ram == "auto"
+    ):  # once, for every method (load_pair says when a target without --ram won't fit)
         spec = resolve_ram(spec)
     vocabs = _draft_vocabs(spec, args.draft_vocab, len(tokenizer)) if need_draft else [0]
     if args.budgets is None:
@@ -243,7 +245,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     llamacpp, llamacpp_spec = _llamacpp_runners(args, spec, max(len(p.input_ids) for p in prompts))
     # The pairs' drafts score the first --draft-vocab value; each other value loads a draft of its own.
     spec = replace(spec, draft_vocab=vocabs[0])
-    pairs = {level: load_pair(replace(spec, quant=level)) for level in args.quant}
+    pairs = {level: load_pair(spec.with_load(quant=level)) for level in args.quant}
     main_pair = pairs[args.quant[0]]
     drafts = {n: load_draft(replace(spec, draft_vocab=n), main_pair.tokenizer).model for n in vocabs[1:]}
 
@@ -349,7 +351,7 @@ def _llamacpp_runners(
     """llama.cpp's own runners for the llamacpp and llamacpp-spec methods (None where not asked for).
     llama.cpp's speculation drafts with the GGUF our llama.cpp draft runs: its requantized copy where
     `draft_quant` makes one (its whole head: a reduced head is our draft's own)."""
-    from specexec.backends.base import GGUF_QUANTS
+    from specexec.backends.options import GGUF_QUANTS
     from specexec.models import gguf_file
 
     llamacpp = llamacpp_spec = None
@@ -357,7 +359,7 @@ def _llamacpp_runners(
         from specexec.bench.llamacpp import LlamaCpp
 
         context = longest_prompt + args.max_new_tokens + 8
-        llamacpp = LlamaCpp(gguf_file(args.target), context, args.threads, ram=spec.ram)
+        llamacpp = LlamaCpp(gguf_file(args.target), context, spec.load)
     if "llamacpp-spec" in args.methods:
         from specexec.bench.llamacpp import LlamaCppSpeculative
 
@@ -369,7 +371,7 @@ def _llamacpp_runners(
 
             draft = derived_draft(draft, 0, (), quant, args.threads)
         target = gguf_file(args.target)
-        llamacpp_spec = LlamaCppSpeculative(target, draft, context, args.threads, ram=spec.ram)
+        llamacpp_spec = LlamaCppSpeculative(target, draft, context, spec.load)
     return llamacpp, llamacpp_spec
 
 

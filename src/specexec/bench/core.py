@@ -39,7 +39,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specexec.backends import as_model
-from specexec.backends.base import QUANT_MODES
+from specexec.backends.options import QUANT_MODES
 from specexec.bench.errors import BenchError
 from specexec.bench.hf import run_hf
 from specexec.bench.llamacpp import PLAIN, SPECULATIVE

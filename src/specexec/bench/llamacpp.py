@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +39,7 @@ from specexec.backends.llamacpp.draft_gguf import COPY_FILE
 from specexec.backends.llamacpp.extra_buffers import kernels
 from specexec.backends.llamacpp.library import INSTALL_HINT
 from specexec.backends.llamacpp.weights import LoadedWeights, evict, load_weights, restore_resident
+from specexec.backends.options import LoadOptions
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
 
@@ -46,10 +49,11 @@ SPECULATIVE = "llamacpp-spec"  # the bench method: llama.cpp's own speculative d
 
 
 class LlamaCpp:
-    """One loaded GGUF model, decoding with `threads` threads (default: torch's thread count)."""
+    """One loaded GGUF model, loaded as our target would be with `options` (`fields`, `LoadOptions`' fields
+    by name, set over them): on `options.threads` threads (default: torch's thread count)."""
 
     def __init__(
-        self, gguf: str | os.PathLike, context: int, threads: int | None = None, ram: int | None = None
+        self, gguf: str | os.PathLike, context: int, options: LoadOptions | None = None, **fields: Any
     ) -> None:
         from specexec.bench.errors import BenchError
 
@@ -57,10 +61,14 @@ class LlamaCpp:
             import llama_cpp
         except ImportError:
             raise BenchError(f"method 'llamacpp' needs llama-cpp-python: {INSTALL_HINT}") from None
+        options = replace(options or LoadOptions(), **fields)
+        ram = options.ram
         self.gguf = Path(gguf)
-        self.threads = threads or torch.get_num_threads()
+        self.threads = options.threads or torch.get_num_threads()
         # Loaded whole whatever `ram`: short of memory, it is evicted before every pass instead.
-        loaded = _llama(self.gguf, None, ram is None, n_ctx=context, n_threads=self.threads)
+        loaded = _llama(
+            self.gguf, replace(options, ram=None), ram is None, n_ctx=context, n_threads=self.threads
+        )
         self.llm, self.extra_buffers = loaded.loaded, loaded.extra_buffers
         self.short = ram is not None and ram < file_bytes(self.gguf)  # else it all stays in RAM
         if self.short:  # loading read it all
@@ -128,15 +136,17 @@ class LlamaCpp:
 
 
 class LlamaCppSpeculative:
-    """llama-cpp-python's speculative decoding: `target` verifies the greedy drafts of `draft` (GGUFs)."""
+    """llama-cpp-python's speculative decoding: `target` verifies the greedy drafts of `draft` (GGUFs),
+    loaded as our pair would be with `options` (`fields` set over them; the draft without the target's
+    own, `LoadOptions.for_draft`)."""
 
     def __init__(
         self,
         target: str | os.PathLike,
         draft: str | os.PathLike,
         context: int,
-        threads: int | None = None,
-        ram: int | None = None,
+        options: LoadOptions | None = None,
+        **fields: Any,
     ) -> None:
         from specexec.bench.errors import BenchError
 
@@ -144,13 +154,16 @@ class LlamaCppSpeculative:
             import llama_cpp
         except ImportError:
             raise BenchError(f"method 'llamacpp-spec' needs llama-cpp-python: {INSTALL_HINT}") from None
-        self.threads = threads or torch.get_num_threads()
-        draft_llm = _llama(Path(draft), None, True, n_ctx=context, n_threads=self.threads).loaded
+        options = replace(options or LoadOptions(), **fields)
+        self.threads = options.threads or torch.get_num_threads()
+        draft_options = options.for_draft()
+        draft_llm = _llama(Path(draft), draft_options, True, n_ctx=context, n_threads=self.threads).loaded
         self.drafter = _GreedyDraft(draft_llm, lambda: llama_cpp.llama_get_logits_ith(draft_llm.ctx, -1))
         # The target's buffers: off with `ram` whether or not it streams, as for the plain peer.
         loaded = _llama(
-            Path(target), ram, ram is None, n_ctx=context, n_threads=self.threads, draft_model=self.drafter
-        )
+            Path(target), options, options.ram is None, n_ctx=context, n_threads=self.threads,
+            draft_model=self.drafter,
+        )  # fmt: skip
         self.llm, self.streamer, self.extra_buffers = loaded.loaded, loaded.streamer, loaded.extra_buffers
         # Every derived draft copy has the same file name: its folder says which copy it is.
         draft_name = (
@@ -291,9 +304,11 @@ class _GreedyDraft:
         return np.array(drafted, dtype=np.intc)
 
 
-def _llama(gguf: Path, ram: int | None, extra_buffers: bool, *, n_threads: int, **arguments) -> LoadedWeights:
+def _llama(
+    gguf: Path, options: LoadOptions, extra_buffers: bool, *, n_threads: int, **arguments
+) -> LoadedWeights:
     """llama-cpp-python's `Llama` of `gguf` (its other arguments `arguments`, quiet), loaded by
-    `load_weights` (`ram`, `extra_buffers`): its model takes the parameters that sets, its context the
+    `load_weights` (`options`, `extra_buffers`): its model takes the parameters that sets, its context the
     eval callback of a streamed model."""
     llama = _llama_taking_params()
 
@@ -303,7 +318,7 @@ def _llama(gguf: Path, ram: int | None, extra_buffers: bool, *, n_threads: int, 
             n_threads_batch=n_threads, verbose=False, **arguments,
         )  # fmt: skip
 
-    return load_weights(gguf, ram, load, extra_buffers)
+    return load_weights(gguf, options, load, extra_buffers)
 
 
 @functools.cache

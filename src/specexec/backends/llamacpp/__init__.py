@@ -6,10 +6,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from specexec.backends.base import LoadOptions
 from specexec.backends.llamacpp.draft_gguf import DEFAULT_DRAFT_VOCAB, STREAMED_DRAFT_QUANT
 from specexec.backends.llamacpp.library import INSTALL_HINT, LlamaCppError
 from specexec.backends.llamacpp.model import LlamaCppModel
+from specexec.backends.options import Given, LoadOptions
 
 LABEL = "llama.cpp"
 WEIGHTS = "gguf"
@@ -27,19 +27,16 @@ OPTIONS = ("threads", "vocab", "ram", "gguf_quant")
 MAX_TREE_LEAVES = LlamaCppModel.max_tree_leaves
 
 
-def refusal(given: list[tuple[str, str]]) -> str | None:
-    """Every option but OPTIONS is the torch backend's. `given` holds (option key, the option in the
-    user's words)."""
-    for key, words in given:
-        if key not in OPTIONS:
-            return f"{words} is for the torch backend; llama.cpp runs the GGUF's own weights"
+def refusal(given: list[Given]) -> str | None:
+    """Every option but OPTIONS is the torch backend's."""
+    for option in given:
+        if option.key not in OPTIONS:
+            return f"{option.words} is for the torch backend; llama.cpp runs the GGUF's own weights"
     return None
 
 
 def load(path: Path, options: LoadOptions) -> LlamaCppModel:
-    return LlamaCppModel(
-        path, options.threads, options.vocab, always=options.always, ram=options.ram, quant=options.quant
-    )
+    return LlamaCppModel(path, options)
 
 
 def least_ram(path: Path) -> int:

@@ -26,9 +26,9 @@ import ctypes
 import json
 import os
 import threading
-from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,10 +38,11 @@ from specexec.backends.gguf_files import shards, version
 from specexec.backends.llamacpp.draft_gguf import derived_draft
 from specexec.backends.llamacpp.extra_buffers import library_build
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
+from specexec.backends.llamacpp.runner import LlamaCppRunner
 from specexec.backends.llamacpp.weights import load_weights
+from specexec.backends.options import LoadOptions
 
 if TYPE_CHECKING:
-    from specexec.backends.llamacpp.runner import LlamaCppRunner
     from specexec.backends.llamacpp.stream import Streamer
 
 # Idle contexts a model keeps for its next runners (`LlamaCppModel.give_context`): one bounds the memory
@@ -52,7 +53,8 @@ SPARE_CONTEXTS = 1
 class LlamaCppModel:
     """A GGUF model loaded by llama.cpp (weights memory-mapped, shared by every runner on it).
 
-    Implements `specexec.backends.base.Model`. `threads` sets llama.cpp's thread count (default: torch's).
+    Implements `specexec.backends.base.Model`, loaded as `options` ask (`fields`, `LoadOptions`' fields by
+    name, set over them). `threads` sets llama.cpp's thread count (default: torch's).
 
     `vocab` > 0 makes a draft score only its first `vocab` token ids and the ids in `always`
     (`specexec.draft_vocab`): llama.cpp runs a copy of the GGUF whose output layer has those rows only
@@ -74,28 +76,22 @@ class LlamaCppModel:
     device = CPU
     max_tree_leaves = MAX_SEQUENCES - 1  # every leaf of a verified tree is a sequence of its own
 
-    def __init__(
-        self,
-        gguf: str | os.PathLike,
-        threads: int | None = None,
-        vocab: int = 0,
-        always: Iterable[int] = (),
-        ram: int | None = None,
-        quant: str = "none",
-    ) -> None:
+    def __init__(self, gguf: str | os.PathLike, options: LoadOptions | None = None, **fields: Any) -> None:
+        options = replace(options or LoadOptions(), **fields)
+        vocab, quant = options.vocab, options.quant
         self._llama_cpp = llama_cpp = llama_cpp_library()
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
         shards(self.gguf)  # a split GGUF's first file, with every part beside it, or an error
-        self.threads = threads or torch.get_num_threads()
+        self.threads = options.threads or torch.get_num_threads()
         self.quantization = quant  # "none": the GGUF's own weights, whatever their types
         self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
-        if ram is not None and (vocab or quant != "none"):
+        if options.ram is not None and (vocab or quant != "none"):
             raise LlamaCppError(
                 "--ram streams a target's own GGUF, not a draft's copy (--draft-vocab, --draft-quant)"
             )
-        loaded = derived_draft(self.gguf, vocab, always, quant, self.threads)
+        loaded = derived_draft(self.gguf, vocab, options.always, quant, self.threads)
         if vocab:
             folder = loaded.parent
             head = json.loads((folder / "head.json").read_text())
@@ -110,7 +106,7 @@ class LlamaCppModel:
                 raise LlamaCppError(f"llama.cpp cannot load {self.gguf} (not a GGUF model it supports)")
             return self.handle
 
-        loaded_weights = load_weights(self.gguf, ram, load)
+        loaded_weights = load_weights(self.gguf, options, load)
         self.extra_buffers = loaded_weights.extra_buffers
         self.stream: Streamer | None = loaded_weights.streamer
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
@@ -190,8 +186,6 @@ class LlamaCppModel:
         )
 
     def make_runner(self, capacity: int, trees: bool = True) -> LlamaCppRunner:
-        from specexec.backends.llamacpp.runner import LlamaCppRunner
-
         return LlamaCppRunner(self, capacity, trees=trees)
 
     def embed(self, tokens: list[int]) -> np.ndarray:

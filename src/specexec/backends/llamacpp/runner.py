@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ from specexec.draft_vocab import full_vocab_logits
 from specexec.timing import clock
 
 if TYPE_CHECKING:
-    from specexec.backends.llamacpp.model import LlamaCppModel
+    from specexec.backends.llamacpp.stream import Streamer
 
 BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer blocks are split
 CELL_BLOCK = 1024  # a context's cells come in whole blocks of this many (see _in_blocks)
@@ -30,11 +30,31 @@ class _Slot:
     parent: int | None  # the parent's slot, None when the parent is the committed prefix
 
 
+class RunnerModel(Protocol):
+    """What a runner reads of its model (`specexec.backends.llamacpp.model.LlamaCppModel`)."""
+
+    handle: int  # the llama_model
+    threads: int
+    head: torch.Tensor | None  # (V',) the token ids of a reduced head's rows, None for the whole head
+    head_rows: int  # rows of logits llama.cpp returns
+    kv_bytes_per_token: int
+    stream: Streamer | None  # the streamer of weights read from disk every pass
+
+    vocab_size: int  # token ids it scores
+    width: int  # n_embd: a reduced head's model takes embeddings this wide
+
+    def take_context(self, capacity: int, sequences: int) -> int | None: ...
+
+    def give_context(self, ctx: int, capacity: int, sequences: int) -> None: ...
+
+    def embed(self, tokens: list[int]) -> np.ndarray: ...
+
+
 class LlamaCppRunner(SlotRunner):
     """Drives one `LlamaCppModel` over its own llama.cpp context: `extend`, `forward_tree`, `keep`,
     `move`, with the slot semantics of `specexec.backends.base.Runner`."""
 
-    def __init__(self, model: LlamaCppModel, capacity: int, trees: bool = True) -> None:
+    def __init__(self, model: RunnerModel, capacity: int, trees: bool = True) -> None:
         self.llama_cpp = llama_cpp = llama_cpp_library()
         self.model = model
         self.device = CPU

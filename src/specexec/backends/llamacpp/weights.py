@@ -15,6 +15,7 @@ from specexec.backends.llamacpp.extra_buffers import extra_buffers_usable
 from specexec.backends.llamacpp.lazy_load import libllama_path, unpopulated
 from specexec.backends.llamacpp.library import llama_cpp_library
 from specexec.backends.llamacpp.stream import Streamer, evict, restore_resident
+from specexec.backends.options import LoadOptions
 
 __all__ = ["LoadedWeights", "evict", "load_weights", "restore_resident"]  # evict: for the bench's peers
 
@@ -31,19 +32,19 @@ class LoadedWeights(Generic[Loaded]):
 
 
 def load_weights(
-    gguf: Path, ram: int | None, load: Callable[[Any, Any], Loaded], extra_buffers: bool = True
+    gguf: Path, options: LoadOptions, load: Callable[[Any, Any], Loaded], extra_buffers: bool = True
 ) -> LoadedWeights[Loaded]:
     """Load `gguf`'s weights with `load(params, eval_callback)`: `params` are the llama.cpp model
     parameters to load with (llama.cpp's defaults but what this sets), `eval_callback` what any context
     `load` makes must take as its `cb_eval` (None when nothing streams; a streamed model's contexts made
     later take `Streamer.eval_callback`, the same).
 
-    `ram` None: in RAM. Else `stream.plan`: a model that fits loads as usual, else its file is mapped
+    `options.ram` None: in RAM. Else `stream.plan`: a model that fits loads as usual, else its file is mapped
     without being read whole, and a `Streamer` reads in the resident units and streams the rest.
     `extra_buffers` False keeps llama.cpp's extra buffer types off even where they run."""
     llama_cpp = llama_cpp_library()
     params = llama_cpp.llama_model_default_params()
-    plan = stream.plan(gguf, ram) if ram is not None else None
+    plan = stream.plan(gguf, options.ram) if options.ram is not None else None
     if plan is None or not plan.streamed:
         if not (extra_buffers and extra_buffers_usable()):
             params.use_extra_bufts = False  # asked, or AMX or repacked kernels would kill the process

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specexec.backends.base import LoadOptions
+from specexec.backends.options import Given, LoadOptions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -15,23 +15,17 @@ LABEL = "torch"
 WEIGHTS = "folder"
 OPTIONS = ("dtype", "offload", "quant", "threads", "vocab")  # the load options it takes
 MAX_TREE_LEAVES = None  # slot-addressed buffers: any tree fits
-# What the llama.cpp backend's own options are for, in its refusals.
-_LLAMACPP_OPTIONS = {
-    "ram": "a GGUF target streamed from disk",
-    "gguf_quant": "a GGUF draft requantized by llama.cpp",
-}
 
 
 def unavailable() -> str | None:
     return None  # torch is a dependency of specexec itself
 
 
-def refusal(given: list[tuple[str, str]]) -> str | None:
-    """Every option but OPTIONS is llama.cpp's. `given` holds (option key, the option in the user's
-    words)."""
-    for key, words in given:
-        if key not in OPTIONS:
-            return f"{words} is for the llama.cpp backend ({_LLAMACPP_OPTIONS[key]})"
+def refusal(given: list[Given]) -> str | None:
+    """Every option but OPTIONS is llama.cpp's."""
+    for option in given:
+        if option.key not in OPTIONS:
+            return f"{option.words} is for the llama.cpp backend ({option.purpose})"
     return None
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from specexec.backends.base import LoadOptions
+from specexec.backends.options import LoadOptions
 from specexec.backends.torch.draft_vocab import restrict_draft_vocab
 from specexec.backends.torch.quant import QuantError, quantize_model
 from specexec.draft_vocab import check_draft_vocab
@@ -28,7 +28,7 @@ def load_folder(folder: Path, options: LoadOptions) -> PreTrainedModel:
         check_draft_vocab(options.vocab, config.get_text_config().vocab_size)
     model = AutoModelForCausalLM.from_pretrained(
         folder,
-        dtype=options.dtype or torch.bfloat16,
+        dtype=getattr(torch, options.dtype or "bfloat16"),
         use_safetensors=True,
         trust_remote_code=False,
         local_files_only=True,

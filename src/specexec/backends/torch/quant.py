@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from specexec.backends.base import QUANT_MODES, BackendError
+from specexec.backends.base import BackendError
+from specexec.backends.options import QUANT_MODES
 from specexec.backends.torch.draft_vocab import ReducedHead
 from specexec.paths import cache_root
 
