@@ -809,6 +809,34 @@ def test_llamacpp_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
     ]
 
 
+def _locked_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmLck:"))) * 1024
+
+
+def test_mlock_locks_the_weights_in_ram_and_nothing_else_does(tokenized_gguf: Path) -> None:
+    before = _locked_bytes()
+    plain = LlamaCppModel(tokenized_gguf, threads=1)
+    assert _locked_bytes() == before  # the negative control
+    del plain
+    locked = LlamaCppModel(tokenized_gguf, threads=1, mlock=True)
+    assert _locked_bytes() - before >= 0.9 * tokenized_gguf.stat().st_size
+    del locked
+    assert _locked_bytes() == before
+
+
+def test_mlock_is_refused_with_ram_and_on_the_torch_backend(tokenized_gguf: Path, capsys) -> None:
+    from specexec.cli import main
+
+    target = ["--target", str(tokenized_gguf), "--method", "ar"]
+    assert main(["generate", *target, "--mlock", "--ram", "0", "ab a"]) == 1
+    assert main(["generate", *target, "--mlock", "--backend", "torch", "ab a"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "specexec: error: --mlock keeps every weight in RAM, --ram streams some from disk: choose one",
+        "specexec: error: --mlock is for the llama.cpp backend (weights locked in RAM)",
+    ]
+
+
 def test_load_model_takes_a_backend(tokenized_gguf: Path) -> None:
     from specexec.models import ModelSourceError, load_model
 

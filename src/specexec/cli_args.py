@@ -67,6 +67,12 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         "read from disk on every pass (0: stream all it can; auto: the memory available less the draft "
         "and 1 GiB). For a GGUF bigger than RAM, or to leave RAM to other programs",
     )
+    parser.add_argument(
+        "--mlock",
+        action="store_true",
+        help="lock the models' weights in RAM so that memory pressure cannot page them out (llama.cpp; "
+        "not with --ram)",
+    )
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -234,6 +240,7 @@ def pair_spec(
         offload=offload if offloads else None,
         simulate_offload_gbps=args.simulate_offload_gbps,
         ram=args.ram,
+        mlock=args.mlock,
     )
     return PairSpec(
         target=args.target,

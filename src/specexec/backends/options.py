@@ -73,6 +73,8 @@ class LoadOptions:
     ram: int | str | None = _option(
         None, "ram", "--ram", "a GGUF target streamed from disk", target_only=True
     )
+    # Weights locked in RAM (llama.cpp's use_mlock): memory pressure cannot page them out
+    mlock: bool = _option(False, "mlock", "--mlock", "weights locked in RAM")
     vocab: int = _option(0, None)  # > 0: a draft scoring only its first `vocab` ids (`specexec.draft_vocab`)
     always: tuple[int, ...] = _option((), None)  # ids a reduced head keeps whatever `vocab` (special tokens)
 
