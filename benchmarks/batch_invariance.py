@@ -7,7 +7,10 @@ tensor's first row; the rows are compared in graph order. The attention scores (
 their row spans every cache cell, the block's own later tokens included, which the mask removes after.
 
     python benchmarks/batch_invariance.py --blocks 2,4,8,16 [--repack on|off] [--flash-attn on|off]
-        [--kv f16|f32] [--threads 2] [--gguf FILE]
+        [--kv f16|f32|bf16|q8_0] [--prefix 600] [--threads 2] [--gguf FILE]
+
+`--prefix N` prefills N tokens (the prompt repeated) before the decoded block: ggml's flash attention
+splits one query row's cache cells across threads from 512 cells up.
 
 The environment reaches ggml: GGML_CPU_TILED_MM=0 turns its tiled K-quant matmul off (taken from 8 rows
 up). Prints, per block size, the first differing tensors (name, op, largest difference) or "identical".
@@ -24,7 +27,8 @@ from specexec.backends.llamacpp.library import llama_cpp_library
 from specexec.models import DEFAULT_TARGET, gguf_file, load_tokenizer
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
-GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}  # ggml_type ids
+GGML_TYPE_F32 = KV_TYPES["f32"]
 
 
 class Tensor(ctypes.Structure):
@@ -44,7 +48,8 @@ def main() -> None:
     parser.add_argument("--blocks", default="2,4,8,16")
     parser.add_argument("--repack", choices=("on", "off"), default="on")
     parser.add_argument("--flash-attn", choices=("on", "off"), default="off")
-    parser.add_argument("--kv", choices=("f16", "f32"), default="f16")
+    parser.add_argument("--kv", choices=tuple(KV_TYPES), default="f16")
+    parser.add_argument("--prefix", type=int, default=0, help="tokens before the block (default: the prompt)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     llama_cpp = llama_cpp_library()
@@ -53,6 +58,8 @@ def main() -> None:
     params.use_extra_bufts = args.repack == "on"
     model = llama_cpp.llama_model_load_from_file(gguf.encode(), params)
     prompt = load_tokenizer(args.gguf or DEFAULT_TARGET)(PROMPT)["input_ids"]
+    if args.prefix:
+        prompt = (prompt * (args.prefix // len(prompt) + 2))[: args.prefix + 1]
     rows: list[tuple[str, int, np.ndarray]] = []
 
     @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
@@ -65,15 +72,14 @@ def main() -> None:
 
     def decode(tokens: list[int]) -> list[tuple[str, int, np.ndarray]]:
         context_params = llama_cpp.llama_context_default_params()
-        context_params.n_ctx = context_params.n_batch = 512
+        context_params.n_ctx = context_params.n_batch = max(512, len(prompt) + 256)
         context_params.n_threads = context_params.n_threads_batch = args.threads
         context_params.cb_eval = first_rows
         context_params.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if args.flash_attn == "on"
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )  # fmt: skip
-        kv = GGML_TYPE_F32 if args.kv == "f32" else GGML_TYPE_F16
-        context_params.type_k = context_params.type_v = kv
+        context_params.type_k = context_params.type_v = KV_TYPES[args.kv]
         context = llama_cpp.llama_init_from_model(model, context_params)
         prefix = (llama_cpp.llama_token * (len(prompt) - 1))(*prompt[:-1])
         assert llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(prefix, len(prompt) - 1)) == 0
@@ -95,7 +101,10 @@ def main() -> None:
 
     block = [prompt[-1], *prompt[: max(map(int, args.blocks.split(","))) - 1]]  # any tokens after it
     alone = decode(block[:1])
-    settings = f"repack {args.repack}, flash-attn {args.flash_attn}, KV {args.kv}, threads {args.threads}"
+    settings = (
+        f"repack {args.repack}, flash-attn {args.flash_attn}, KV {args.kv}, prefix {len(prompt) - 1}, "
+        f"threads {args.threads}"
+    )
     print(f"{gguf}: {settings}")
     for k in map(int, args.blocks.split(",")):
         found = []

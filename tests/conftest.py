@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# --batch-invariant turns ggml's tiled matmul off process-wide, which it reads once, before the first
+# pass: set here, the tests of the mode can run after any other test.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 # The core tests drive tiny models (hidden size 16-48, one or two layers), where a forward is a few small
 # kernels and thread hand-offs dominate: one intra-op thread is several times faster than two, and far

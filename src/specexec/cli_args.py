@@ -68,6 +68,13 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         "and 1 GiB). For a GGUF bigger than RAM, or to leave RAM to other programs",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="verify with kernels whose result for a token does not depend on the other tokens of the "
+        "pass, so that greedy output is plain decoding's own, bit for bit (llama.cpp: repacked weights "
+        "and ggml's tiled matmul off, flash attention over an 8-bit KV cache; slower, see docs/design.md)",
+    )
+    parser.add_argument(
         "--mlock",
         action="store_true",
         help="lock the models' weights in RAM so that memory pressure cannot page them out (llama.cpp; "
@@ -241,6 +248,7 @@ def pair_spec(
         simulate_offload_gbps=args.simulate_offload_gbps,
         ram=args.ram,
         mlock=args.mlock,
+        batch_invariant=args.batch_invariant,
     )
     return PairSpec(
         target=args.target,

@@ -75,6 +75,12 @@ class LoadOptions:
     )
     # Weights locked in RAM (llama.cpp's use_mlock): memory pressure cannot page them out
     mlock: bool = _option(False, "mlock", "--mlock", "weights locked in RAM")
+    # Verification whose rows do not depend on the block they are decoded in, so that greedy output is
+    # plain decoding's own bit for bit (llama.cpp: `backends.llamacpp.library.batch_invariant_kernels`)
+    batch_invariant: bool = _option(
+        False, "batch_invariant", "--batch-invariant", "verification bit for bit as plain decoding",
+        target_only=True,
+    )  # fmt: skip
     vocab: int = _option(0, None)  # > 0: a draft scoring only its first `vocab` ids (`specexec.draft_vocab`)
     always: tuple[int, ...] = _option((), None)  # ids a reduced head keeps whatever `vocab` (special tokens)
 

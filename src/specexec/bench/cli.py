@@ -285,7 +285,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         draft_quant=draft.quantization if draft is not None else None,
         draft_weights=draft.weights if draft is not None else None,
         backend=last.backend_label,
-        llama_cpp=_llama_cpp_kernels() if ran_llama_cpp else None,
+        llama_cpp=_llama_cpp_kernels(spec.load.batch_invariant) if ran_llama_cpp else None,
     )
     paths = write_outputs(args.out, result.records, result.rows, machine)
     _print_rows(result.rows)
@@ -305,14 +305,15 @@ def _draft_vocabs(spec: PairSpec, requested: list[int | str], vocab_size: int) -
     return vocabs
 
 
-def _llama_cpp_kernels() -> dict:
+def _llama_cpp_kernels(batch_invariant: bool) -> dict:
     """llama.cpp's version and kernels in this process, for the report (a target streamed from disk runs
-    without extra buffer types in any case)."""
+    without extra buffer types in any case; --batch-invariant turns them off)."""
     import llama_cpp
 
     from specexec.backends.llamacpp.extra_buffers import extra_buffers_usable, kernels
 
-    return {"llama_cpp_python": llama_cpp.__version__, **kernels(extra_buffers_usable())}
+    usable = extra_buffers_usable() and not batch_invariant
+    return {"llama_cpp_python": llama_cpp.__version__, **kernels(usable), "batch_invariant": batch_invariant}
 
 
 def _default_budgets(spec: PairSpec) -> list[int | str]:

@@ -445,7 +445,8 @@ def _kernels(machine: dict) -> str:
     info = machine["llama_cpp"]
     state = "on" if info["extra_buffers"] else "off"
     amx = ", AMX" if info["amx"] else ", no AMX"
-    return f"; llama-cpp-python {info['llama_cpp_python']}, repacked kernels {state}{amx}"
+    invariant = ", batch-invariant verification" if info.get("batch_invariant") else ""
+    return f"; llama-cpp-python {info['llama_cpp_python']}, repacked kernels {state}{amx}{invariant}"
 
 
 def _plural(n: int, word: str) -> str:

@@ -23,7 +23,7 @@ def unavailable() -> str | None:
 
 
 # The load options it takes: it runs the GGUF's own weights, or for a draft a copy of its own (`gguf_quant`)
-OPTIONS = ("threads", "vocab", "ram", "gguf_quant", "mlock")
+OPTIONS = ("threads", "vocab", "ram", "gguf_quant", "mlock", "batch_invariant")
 MAX_TREE_LEAVES = LlamaCppModel.max_tree_leaves
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,33 @@ def llama_cpp_library():
         raise LlamaCppError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from None
     _quiet(llama_cpp)
     return llama_cpp
+
+
+# Whether this process ran a llama.cpp pass yet (`batch_invariant_kernels` must come before the first).
+_passes_ran = False
+# ggml's tiled K-quant matmul (from 8 rows up) sums a dot product in another order than one row's
+# vec_dot; ggml reads this switch once, at the first matmul that could take it.
+TILED_MATMUL_SWITCH = "GGML_CPU_TILED_MM"
+
+
+def note_pass() -> None:
+    global _passes_ran
+    _passes_ran = True
+
+
+def batch_invariant_kernels() -> None:
+    """Keep ggml's matmuls off kernels whose result for one row depends on the other rows of the block,
+    process-wide: its tiled K-quant matmul off (repacked weights and flash attention's tiling are a
+    model's and a context's own: `weights.load_weights`, the runner's context). Raises where a pass
+    already ran with it on, when ggml has read the switch."""
+    if os.environ.get(TILED_MATMUL_SWITCH) == "0":
+        return
+    if _passes_ran:
+        raise LlamaCppError(
+            "--batch-invariant must be chosen before this process's first llama.cpp pass (or set "
+            f"{TILED_MATMUL_SWITCH}=0 in the environment)"
+        )
+    os.environ[TILED_MATMUL_SWITCH] = "0"
 
 
 _TENSOR_NAME = None

@@ -85,6 +85,7 @@ class LlamaCppModel:
             raise LlamaCppError(f"GGUF file not found: {self.gguf}")
         shards(self.gguf)  # a split GGUF's first file, with every part beside it, or an error
         self.threads = options.threads or torch.get_num_threads()
+        self.batch_invariant = options.batch_invariant
         self.quantization = quant  # "none": the GGUF's own weights, whatever their types
         self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
         if options.ram is not None and (vocab or quant != "none"):
@@ -177,6 +178,7 @@ class LlamaCppModel:
         it is read (past the page cache or through it)."""
         head = f":head{self.head_rows}" if self.head is not None else ""
         buffers = "" if self.extra_buffers else ":plain-buffers"
+        buffers += ":batch-invariant" if self.batch_invariant else ""
         streamed = ""
         if self.stream is not None:
             streamed = f":streamed{self.stream.plan.streamed_bytes}-{self.stream.reads}"

@@ -11,13 +11,20 @@ import numpy as np
 import torch
 
 from specexec.backends.base import SlotRunner, grown_capacity
-from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
+from specexec.backends.llamacpp.library import (
+    CPU,
+    MAX_SEQUENCES,
+    LlamaCppError,
+    llama_cpp_library,
+    note_pass,
+)
 from specexec.draft_vocab import full_vocab_logits
 from specexec.timing import clock
 
 if TYPE_CHECKING:
     from specexec.backends.llamacpp.stream import Streamer
 
+GGML_TYPE_Q8_0 = 8  # ggml_type
 BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer blocks are split
 CELL_BLOCK = 1024  # a context's cells come in whole blocks of this many (see _in_blocks)
 
@@ -39,6 +46,7 @@ class RunnerModel(Protocol):
     head_rows: int  # rows of logits llama.cpp returns
     kv_bytes_per_token: int
     stream: Streamer | None  # the streamer of weights read from disk every pass
+    batch_invariant: bool  # a row's logits must not depend on the block it is decoded in
 
     vocab_size: int  # token ids it scores
     width: int  # n_embd: a reduced head's model takes embeddings this wide
@@ -316,6 +324,12 @@ class LlamaCppRunner(SlotRunner):
         # switches kernels at 64 query rows. Without it, a tree row's logits are the one-token logits
         # (bit for bit with 8-bit weights in the tests), whatever the tree's size or cell layout.
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if self.model.batch_invariant:
+            # Without flash attention the attention matmuls go to llamafile's sgemm, whose sums follow
+            # the block's shape. Flash attention over an 8-bit cache takes its one-row path for any
+            # block (its tiled and thread-split paths are for float caches) and sums in float32.
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            params.type_k = params.type_v = GGML_TYPE_Q8_0
         ctx = llama_cpp.llama_init_from_model(self.model.handle, params)
         if not ctx:
             raise LlamaCppError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
@@ -353,6 +367,7 @@ class LlamaCppRunner(SlotRunner):
             batch.n_tokens = count
             if streamer is not None:
                 streamer.begin()
+            note_pass()
             status = llama_cpp.llama_decode(self.ctx, batch)
             if streamer is not None:
                 streamer.end()

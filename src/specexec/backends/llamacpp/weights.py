@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 from specexec.backends.llamacpp import stream
 from specexec.backends.llamacpp.extra_buffers import extra_buffers_usable
 from specexec.backends.llamacpp.lazy_load import libllama_path, unpopulated
-from specexec.backends.llamacpp.library import LlamaCppError, llama_cpp_library
+from specexec.backends.llamacpp.library import LlamaCppError, batch_invariant_kernels, llama_cpp_library
 from specexec.backends.llamacpp.stream import Streamer, evict, restore_resident
 from specexec.backends.options import LoadOptions
 
@@ -49,6 +49,9 @@ def load_weights(
         raise LlamaCppError("--mlock keeps every weight in RAM, --ram streams some from disk: choose one")
     if options.mlock:
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK
+    if options.batch_invariant:
+        batch_invariant_kernels()
+        extra_buffers = False  # repacked weights' kernels sum a row differently from 4 rows up
     if plan is None or not plan.streamed:
         if not (extra_buffers and extra_buffers_usable()):
             params.use_extra_bufts = False  # asked, or AMX or repacked kernels would kill the process
