@@ -3,6 +3,8 @@ every method through the engine, the benchmark and the server: the seam is `spec
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 import torch
@@ -143,6 +145,7 @@ def test_each_runtime_is_a_runtime(name: str) -> None:
     import inspect
 
     from specexec.backends.base import Runtime, StreamingRuntime
+    from specexec.backends.options import LoadOptions
 
     runtimes = _runtimes()
     if name not in runtimes:
@@ -152,7 +155,8 @@ def test_each_runtime_is_a_runtime(name: str) -> None:
     for method in ("unavailable", "refusal", "load", "default_draft_vocab", "default_draft_quant"):
         wanted = list(inspect.signature(getattr(Runtime, method)).parameters)[1:]  # less `self`
         assert list(inspect.signature(getattr(runtime, method)).parameters) == wanted, (name, method)
-    assert set(runtime.OPTIONS) <= {"dtype", "offload", "quant", "threads", "vocab", "ram", "gguf_quant"}
+    keys = {option.name for option in dataclasses.fields(LoadOptions)} | {"gguf_quant"}  # `LoadOptions.given`
+    assert set(runtime.OPTIONS) <= keys
     assert isinstance(runtime, StreamingRuntime) == ("ram" in runtime.OPTIONS)
 
 

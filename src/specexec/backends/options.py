@@ -73,7 +73,7 @@ class LoadOptions:
     ram: int | str | None = _option(
         None, "ram", "--ram", "a GGUF target streamed from disk", target_only=True
     )
-    # Weights locked in RAM (llama.cpp's use_mlock): memory pressure cannot page them out
+    # Weights locked in RAM (llama.cpp's mmap+mlock load mode): memory pressure cannot page them out
     mlock: bool = _option(False, "mlock", "--mlock", "weights locked in RAM")
     # Verification whose rows do not depend on the block they are decoded in, so that greedy output is
     # plain decoding's own bit for bit (llama.cpp: `backends.llamacpp.library.batch_invariant_kernels`)
