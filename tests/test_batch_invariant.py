@@ -111,8 +111,8 @@ def test_every_method_gives_plain_decodings_greedy_tokens(ggufs) -> None:
 
 def test_the_mode_must_come_before_the_processs_first_pass(monkeypatch) -> None:
     monkeypatch.delenv(library.TILED_MATMUL_SWITCH, raising=False)
-    monkeypatch.setattr(library, "_passes_ran", True)
-    with pytest.raises(LlamaCppError, match="before this process's first llama.cpp pass"):
+    monkeypatch.setattr(library, "_contexts_made", True)
+    with pytest.raises(LlamaCppError, match="before this process's first llama.cpp context"):
         library.batch_invariant_kernels()
     monkeypatch.setenv(library.TILED_MATMUL_SWITCH, "0")
     library.batch_invariant_kernels()  # already off: nothing to do

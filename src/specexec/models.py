@@ -34,7 +34,7 @@ from transformers import (  # noqa: E402
 from specexec import backends  # noqa: E402
 from specexec.backends import as_model  # noqa: E402
 from specexec.backends.gguf_files import GGUFFileError, file_bytes, shards  # noqa: E402
-from specexec.backends.options import Given, LoadOptions  # noqa: E402
+from specexec.backends.options import Given, LoadOptions, load_options  # noqa: E402
 from specexec.draft_vocab import check_draft_vocab  # noqa: E402
 from specexec.paths import cache_root  # noqa: E402
 
@@ -110,9 +110,7 @@ def load_model(
     ``DEFAULT_TARGET`` / ``DEFAULT_DRAFT``. On the torch backend, GGUF sources are converted once into a
     bf16 cache folder; ``dtype`` is only the in-memory dtype (default bfloat16).
     """
-    options = replace(options or LoadOptions(), **fields)
-    if dtype is not None:
-        options = replace(options, dtype=dtype)
+    options = load_options(options, **fields, **({} if dtype is None else {"dtype": dtype}))
     runtime = backends.backend(choose_backend(backend, source, options.given()))
     if options.vocab:
         tokenizer = load_tokenizer(source)

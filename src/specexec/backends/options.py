@@ -109,3 +109,9 @@ class LoadOptions:
     def for_draft(self) -> LoadOptions:
         """These options less the target's own (offloading, --ram): what a draft loads with."""
         return replace(self, **{f.name: f.default for f in fields(self) if f.metadata["target_only"]})
+
+
+def load_options(options: LoadOptions | None = None, **changes: Any) -> LoadOptions:
+    """`options` (default: every default) with `changes`, fields by name, set over them: how the loaders
+    take options whole or, from Python, field by field."""
+    return replace(options or LoadOptions(), **changes)

@@ -231,9 +231,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
     tokenizer = load_tokenizer(args.target)
     need_draft = any(method in DRAFT_METHODS for method in args.methods)
     spec = pair_spec(args, with_draft=need_draft, quant=args.quant[0], draft_vocab=0)  # resolved next
-    if (
-        spec.load.ram == "auto"
-    ):  # once, for every method (load_pair says when a target without --ram won't fit)
+    # Once, for every method (load_pair says when a target without --ram won't fit).
+    if spec.load.ram == "auto":
         spec = resolve_ram(spec)
     vocabs = _draft_vocabs(spec, args.draft_vocab, len(tokenizer)) if need_draft else [0]
     if args.budgets is None:

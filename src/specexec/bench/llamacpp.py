@@ -39,7 +39,7 @@ from specexec.backends.llamacpp.draft_gguf import COPY_FILE
 from specexec.backends.llamacpp.extra_buffers import kernels
 from specexec.backends.llamacpp.library import INSTALL_HINT
 from specexec.backends.llamacpp.weights import LoadedWeights, evict, load_weights, restore_resident
-from specexec.backends.options import LoadOptions
+from specexec.backends.options import LoadOptions, load_options
 from specexec.sampling import SamplingParams, argmax, probs_from_logits, sample
 from specexec.timing import clock
 
@@ -61,7 +61,7 @@ class LlamaCpp:
             import llama_cpp
         except ImportError:
             raise BenchError(f"method 'llamacpp' needs llama-cpp-python: {INSTALL_HINT}") from None
-        options = replace(options or LoadOptions(), **fields)
+        options = load_options(options, **fields)
         ram = options.ram
         self.gguf = Path(gguf)
         self.threads = options.threads or torch.get_num_threads()
@@ -154,7 +154,7 @@ class LlamaCppSpeculative:
             import llama_cpp
         except ImportError:
             raise BenchError(f"method 'llamacpp-spec' needs llama-cpp-python: {INSTALL_HINT}") from None
-        options = replace(options or LoadOptions(), **fields)
+        options = load_options(options, **fields)
         self.threads = options.threads or torch.get_num_threads()
         draft_options = options.for_draft()
         draft_llm = _llama(Path(draft), draft_options, True, n_ctx=context, n_threads=self.threads).loaded

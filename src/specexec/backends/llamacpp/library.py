@@ -30,28 +30,29 @@ def llama_cpp_library():
     return llama_cpp
 
 
-# Whether this process ran a llama.cpp pass yet (`batch_invariant_kernels` must come before the first).
-_passes_ran = False
+# Whether this process made a llama.cpp context yet, which any pass needs (`batch_invariant_kernels` must
+# come before the first).
+_contexts_made = False
 # ggml's tiled K-quant matmul (from 8 rows up) sums a dot product in another order than one row's
 # vec_dot; ggml reads this switch once, at the first matmul that could take it.
 TILED_MATMUL_SWITCH = "GGML_CPU_TILED_MM"
 
 
-def note_pass() -> None:
-    global _passes_ran
-    _passes_ran = True
+def note_context() -> None:
+    global _contexts_made
+    _contexts_made = True
 
 
 def batch_invariant_kernels() -> None:
     """Keep ggml's matmuls off kernels whose result for one row depends on the other rows of the block,
     process-wide: its tiled K-quant matmul off (repacked weights and flash attention's tiling are a
-    model's and a context's own: `weights.load_weights`, the runner's context). Raises where a pass
-    already ran with it on, when ggml has read the switch."""
+    model's and a context's own: `weights.load_weights`, the runner's context). Raises where a context
+    was made with it on: a pass may have run, and ggml read the switch."""
     if os.environ.get(TILED_MATMUL_SWITCH) == "0":
         return
-    if _passes_ran:
+    if _contexts_made:
         raise LlamaCppError(
-            "--batch-invariant must be chosen before this process's first llama.cpp pass (or set "
+            "--batch-invariant must be chosen before this process's first llama.cpp context (or set "
             f"{TILED_MATMUL_SWITCH}=0 in the environment)"
         )
     os.environ[TILED_MATMUL_SWITCH] = "0"

@@ -26,7 +26,6 @@ import ctypes
 import json
 import os
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +39,7 @@ from specexec.backends.llamacpp.extra_buffers import library_build
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
 from specexec.backends.llamacpp.runner import LlamaCppRunner
 from specexec.backends.llamacpp.weights import load_weights
-from specexec.backends.options import LoadOptions
+from specexec.backends.options import LoadOptions, load_options
 
 if TYPE_CHECKING:
     from specexec.backends.llamacpp.stream import Streamer
@@ -77,7 +76,7 @@ class LlamaCppModel:
     max_tree_leaves = MAX_SEQUENCES - 1  # every leaf of a verified tree is a sequence of its own
 
     def __init__(self, gguf: str | os.PathLike, options: LoadOptions | None = None, **fields: Any) -> None:
-        options = replace(options or LoadOptions(), **fields)
+        options = load_options(options, **fields)
         vocab, quant = options.vocab, options.quant
         self._llama_cpp = llama_cpp = llama_cpp_library()
         self.gguf = Path(gguf)

@@ -16,7 +16,7 @@ from specexec.backends.llamacpp.library import (
     MAX_SEQUENCES,
     LlamaCppError,
     llama_cpp_library,
-    note_pass,
+    note_context,
 )
 from specexec.draft_vocab import full_vocab_logits
 from specexec.timing import clock
@@ -330,6 +330,7 @@ class LlamaCppRunner(SlotRunner):
             # block (its tiled and thread-split paths are for float caches) and sums in float32.
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
             params.type_k = params.type_v = GGML_TYPE_Q8_0
+        note_context()
         ctx = llama_cpp.llama_init_from_model(self.model.handle, params)
         if not ctx:
             raise LlamaCppError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
@@ -367,7 +368,6 @@ class LlamaCppRunner(SlotRunner):
             batch.n_tokens = count
             if streamer is not None:
                 streamer.begin()
-            note_pass()
             status = llama_cpp.llama_decode(self.ctx, batch)
             if streamer is not None:
                 streamer.end()
