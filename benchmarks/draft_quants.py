@@ -83,7 +83,9 @@ def main() -> None:
         target_logits = {name: continuation_logits(target, t) for name, t in texts.items()}
         always = tuple(tokenizer.all_special_ids)
         for quant in args.quants.split(","):
-            draft = LlamaCppModel(gguf_file(DEFAULT_DRAFT), args.threads, VOCAB, always=always, quant=quant)
+            draft = LlamaCppModel(
+                gguf_file(DEFAULT_DRAFT), threads=args.threads, vocab=VOCAB, always=always, quant=quant
+            )
             seconds = pass_seconds(draft, args.rounds)
             rounded = {k: round(v, 4) for k, v in seconds.items()}
             print(f"{quant} ({draft.weights}): seconds per pass {rounded}")

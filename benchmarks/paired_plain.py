@@ -46,7 +46,7 @@ def main() -> None:
     prompts = load_prompts(args.prompts, tokenizer, n=4)
     eos = eos_token_ids(target, tokenizer)
     longest = max(len(p.input_ids) for p in prompts)
-    plain = LlamaCpp(gguf_file(DEFAULT_TARGET), longest + args.max_new_tokens + 8, args.threads)
+    plain = LlamaCpp(gguf_file(DEFAULT_TARGET), longest + args.max_new_tokens + 8, threads=args.threads)
     learnt = LearntPolicies()
 
     def run(method: str, ids: list[int], seed: int) -> tuple[float, float]:

@@ -153,16 +153,16 @@ def main() -> None:
     args = parser.parse_args()
     gguf = gguf_file(args.target)
     rows, peaks = [], []
-    rows.append(("in RAM (repacked)", *passes(LlamaCppModel(gguf, args.threads), args.repeats), None))
+    rows.append(("in RAM (repacked)", *passes(LlamaCppModel(gguf, threads=args.threads), args.repeats), None))
     with unrepacked():
-        resident = LlamaCppModel(gguf, args.threads)
+        resident = LlamaCppModel(gguf, threads=args.threads)
     rows.append(("in RAM, repacking off", *passes(resident, args.repeats), None))
     resident.stream = Listener()  # what llama.cpp's eval callback costs: a graph cut per layer
     rows.append(("in RAM, repacking off, eval callback", *passes(resident, args.repeats), None))
     del resident  # a model that maps the file keeps its pages in RAM
     for text, reads in ((t, r) for t in args.rams.split(",") for r in ("direct", "page cache")):
         with page_cache_reads() if reads == "page cache" else nullcontext():
-            model = LlamaCppModel(gguf, args.threads, ram=parse_size(text, zero=True))
+            model = LlamaCppModel(gguf, threads=args.threads, ram=parse_size(text, zero=True))
         memory = model.memory()
         read_time = memory.streamed / memory.disk_bytes_per_second
         label = (
@@ -175,7 +175,7 @@ def main() -> None:
         peaks.append((f"{text} ({reads})", peak_in_ram(model), memory))
         del model
     with unrepacked():
-        plain = LlamaCppModel(gguf, args.threads)
+        plain = LlamaCppModel(gguf, threads=args.threads)
     evicted = passes(plain, args.repeats, lambda: stream.evict(gguf))
     rows.append(("evicted before every pass, repacking off", *evicted, None))
     print(f"target {gguf.name}, {args.threads} threads, one pass over k tokens after {CONTEXT} (s; MiB read)")

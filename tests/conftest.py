@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,15 @@ def draft_model():
     from drafting import drafting_model
 
     return drafting_model()
+
+
+@pytest.fixture(scope="session")
+def rpc_workers() -> Iterator[tuple[str, ...]]:
+    """Two `specexec worker`s on loopback, for every test that puts a target's layers on workers."""
+    from rpc_workers import free_port, start_worker, stop
+
+    ports = [free_port() for _ in range(2)]
+    started = [start_worker(port) for port in ports]
+    yield tuple(f"127.0.0.1:{port}" for port in ports)
+    for worker in started:
+        stop(worker)

@@ -36,16 +36,17 @@ METHODS = [
 
 
 @functools.cache
-def k_quant_gguf(folder: str, noise: float) -> Path:
+def k_quant_gguf(folder: str, noise: float, layers: int = 2) -> Path:
     """A tiny qwen2 GGUF in Q4_K_M (Q4_K and Q6_K tensors), quantized by llama.cpp from float32."""
     source = write_random_gguf(
-        Path(folder) / f"f32-{noise}.gguf", "qwen2", "f32", noise=noise, vocab=512, hidden=256, ffn=512
-    )
+        Path(folder) / f"f32-{noise}-{layers}.gguf", "qwen2", "f32", noise=noise, vocab=512, hidden=256,
+        ffn=512, layers=layers,
+    )  # fmt: skip
     llama_cpp = llama_cpp_library()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FTYPE_MOSTLY_Q4_K_M
     params.nthread = 1
-    dest = Path(folder) / f"q4_k_m-{noise}.gguf"
+    dest = Path(folder) / f"q4_k_m-{noise}-{layers}.gguf"
     assert llama_cpp.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params)) == 0
     return dest
 

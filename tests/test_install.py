@@ -13,7 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 INCLUDE = ROOT / "src" / "specexec" / "backends" / "llamacpp" / "llama_cpp_amx.cmake"
-BUILD_FIX = 'CMAKE_ARGS="-DCMAKE_PROJECT_INCLUDE=$PWD/src/specexec/backends/llamacpp/llama_cpp_amx.cmake" '
+INSTALL = ROOT / "install.sh"
+BUILD_ARGS = (
+    'export CMAKE_ARGS="-DGGML_RPC=ON '
+    '-DCMAKE_PROJECT_INCLUDE=$PWD/src/specexec/backends/llamacpp/llama_cpp_amx.cmake"'
+)
 
 
 def readme_commands() -> list[str]:
@@ -30,12 +34,23 @@ def test_ci_runs_the_readme_test_command_exactly() -> None:
     assert test in ci_lines
 
 
-def test_both_install_commands_hand_llama_cpp_the_build_fix() -> None:
+def test_both_commands_install_through_install_sh_which_builds_llama_cpp_with_rpc_and_the_fix() -> None:
     assert INCLUDE.is_file()
-    for command in readme_commands():
-        assert command.startswith(BUILD_FIX), command
-    ci_command = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pip install" in line]
-    assert ci_command and all(line.startswith(BUILD_FIX) for line in ci_command)
+    install, test = readme_commands()
+    assert install.startswith("bash install.sh && ") and test.startswith("bash install.sh test && ")
+    script = INSTALL.read_text()
+    assert BUILD_ARGS in script.splitlines()
+    assert "torch==2.13.0" in script  # the CPU build, always pinned
+    # An installed or cached build without the RPC backend is rebuilt from source.
+    assert "libggml-rpc.so" in script and "--force-reinstall --no-cache-dir --no-deps" in script
+
+
+def test_install_sh_refuses_an_unknown_target_in_one_line() -> None:
+    done = subprocess.run(["bash", str(INSTALL), "tests"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "install.sh: say nothing (the CLI) or 'test' (the test suite), not 'tests'"
+    ]
 
 
 # Shaped like ggml's ggml_tile_config_init: a zeroed 64-byte configuration, its shapes stored, then

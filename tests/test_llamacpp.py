@@ -646,23 +646,40 @@ SAMPLE_METHODS = {
 }
 
 
+SAMPLING_MODES = ("resident", "streamed", "batch-invariant", "rpc")
+
+
 @functools.cache
-def sampling_pair(folder: str, streamed: bool = False) -> tuple[LlamaCppModel, LlamaCppModel]:
-    """The target streamed from disk (`--ram 0`, a file of its own: a second model's mapping of the same
-    file would hold its pages in RAM) or resident, and the draft."""
-    suffix = "-streamed" if streamed else ""
-    paths = [Path(folder) / f"small-{seed}{suffix}.gguf" for seed in (0, 7)]
+def sampling_pair(
+    folder: str, mode: str = "resident", workers: tuple[str, ...] = ()
+) -> tuple[LlamaCppModel, LlamaCppModel]:
+    """The target as `mode` runs it, and the draft: "resident"; "streamed" from disk (`--ram 0`, a file
+    of its own: a second model's mapping of the same file would hold its pages in RAM); "batch-invariant"
+    (head size 32, what its 8-bit KV cache needs); "rpc", its two layers on `workers`."""
+    hidden, layers = (128, 1) if mode == "batch-invariant" else (32, 2 if mode == "rpc" else 1)
+    paths = [Path(folder) / f"small-{seed}-{mode}.gguf" for seed in (0, 7)]
     for path, seed, scale in zip(paths, (0, 7), (0.15, 0.5), strict=True):
-        if not path.exists():
-            synced(write_small_gguf(path, seed, scale))
-    ram = 0 if streamed else None
-    return LlamaCppModel(paths[0], threads=1, ram=ram), LlamaCppModel(paths[1], threads=1)
+        if not path.exists():  # logits grow with the hidden size: scaled back to the same spread
+            synced(write_small_gguf(path, seed, scale * (32 / hidden) ** 0.5, hidden, layers))
+    options = {
+        "resident": {}, "streamed": {"ram": 0}, "batch-invariant": {"batch_invariant": True},
+        "rpc": {"rpc": workers},
+    }[mode]  # fmt: skip
+    return LlamaCppModel(paths[0], threads=1, **options), LlamaCppModel(paths[1], threads=1)
 
 
-def write_small_gguf(path: Path, seed: int, scale: float) -> Path:
+def write_small_gguf(path: Path, seed: int, scale: float, hidden: int = 32, layers: int = 1) -> Path:
     """A 10-token vocabulary, spread-out distributions (the target) or sharper ones (the draft)."""
     return write_random_gguf(
-        path, "llama", "f32", seed=seed, logit_scale=scale, vocab=V, hidden=32, ffn=64, layers=1
+        path,
+        "llama",
+        "f32",
+        seed=seed,
+        logit_scale=scale,
+        vocab=V,
+        hidden=hidden,
+        ffn=2 * hidden,
+        layers=layers,
     )
 
 
@@ -678,13 +695,19 @@ def exact_joint(target: LlamaCppModel, params: SamplingParams) -> torch.Tensor:
     return joint
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("mode", SAMPLING_MODES)
 @pytest.mark.parametrize("method", list(SAMPLE_METHODS))
-def test_every_method_samples_the_backends_distribution(gguf_dir: Path, method: str, streamed: bool) -> None:
-    if streamed and not on_storage(gguf_dir):
+def test_every_method_samples_the_backends_distribution(
+    gguf_dir: Path, method: str, mode: str, request: pytest.FixtureRequest
+) -> None:
+    if mode == "streamed" and not on_storage(gguf_dir):
         pytest.skip("the temporary folder is in memory (tmpfs): nothing can be streamed from it")
-    target, draft = sampling_pair(str(gguf_dir), streamed)
-    assert (target.stream is not None) == streamed
+    workers = request.getfixturevalue("rpc_workers") if mode == "rpc" else ()
+    target, draft = sampling_pair(str(gguf_dir), mode, workers)
+    assert (target.stream is not None) == (mode == "streamed")
+    assert target.batch_invariant == (mode == "batch-invariant") and (target.workers is not None) == (
+        mode == "rpc"
+    )
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
     joint = exact_joint(target, params)
     assert float(joint.sum((1, 2)).max()) < 0.6  # test design: spread out

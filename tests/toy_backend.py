@@ -47,6 +47,9 @@ class ToyModel:
     def memory(self) -> None:
         return None
 
+    def placement(self) -> str:
+        return ""  # every layer runs in this process
+
     def make_runner(self, capacity: int, trees: bool = True) -> ToyRunner:
         return ToyRunner(self, capacity)
 

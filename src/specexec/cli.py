@@ -6,6 +6,7 @@ Every user error ends in one line on stderr and a non-zero exit status, never a 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -67,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(srv)
 
+    worker = commands.add_parser(
+        "worker", help="serve this machine's CPU to hold and compute a target's layers (llama.cpp RPC)"
+    )
+    worker.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; another one serves the network: the protocol has "
+        "no authentication, a trusted network only)",
+    )
+    worker.add_argument("--port", type=positive_int, default=50052)
+    worker.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: cores)")
+
     from specexec.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
@@ -93,6 +106,8 @@ def _add_method_args(parser: argparse.ArgumentParser, budget_help: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        return _worker(args)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr carries our one-line messages and stats only
@@ -193,7 +208,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"overhead {stats.overhead_seconds:.2f} s{_drafted_ahead(stats)} | finish: {chunk.finish_reason}"
         f"{calibration}"
         f"{' | ' + pair.memory if pair.memory else ''}"
-        f"{f', plus {stats.cache_bytes / 2**20:.0f} MiB of KV caches and buffers' if pair.memory else ''}",
+        f"{f', plus {stats.cache_bytes / 2**20:.0f} MiB of KV caches and buffers' if pair.memory else ''}"
+        f"{' | ' + pair.placement if pair.placement else ''}",
         file=sys.stderr,
     )
     return 0
@@ -207,6 +223,39 @@ def _drafted_ahead(stats) -> str:
         f", drafted ahead {stats.ahead_seconds:.2f} s beside the target ({stats.ahead_calls} passes, "
         f"{stats.carried} nodes carried into steps)"
     )
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """Serve as an RPC worker until stopped; one-line errors for a port it cannot take."""
+    import signal
+    import socket
+
+    from specexec.backends.base import BackendError
+    from specexec.backends.llamacpp import rpc
+
+    if not rpc.is_loopback(args.host):
+        print(
+            f"specexec worker: warning: listening on {args.host}: llama.cpp's RPC protocol has no "
+            "authentication, and whoever reaches this port can run computations here; use it on a trusted "
+            "network only",
+            file=sys.stderr,
+        )
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind((args.host.strip("[]"), args.port))
+        print(
+            f"specexec worker: serving on {args.host}:{args.port} (Ctrl-C stops it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the server's accept loop never returns to Python
+        rpc.serve(args.host, args.port, args.threads or os.cpu_count() or 1)
+        error = f"llama.cpp's RPC server could not listen on {args.host}:{args.port}"
+    except (OSError, BackendError) as e:
+        error = f"cannot serve on {args.host}:{args.port}: {e.strerror if isinstance(e, OSError) else e}"
+    print(f"specexec worker: error: {error}", file=sys.stderr)
+    return EXIT_FAILURE
 
 
 def _calibrate(args: argparse.Namespace) -> int:

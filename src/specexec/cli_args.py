@@ -74,6 +74,22 @@ def add_model_args(parser: argparse.ArgumentParser, quant_list: bool = False) ->
         "pass, so that greedy output is plain decoding's own, bit for bit (llama.cpp: repacked weights "
         "and ggml's tiled matmul off, flash attention over an 8-bit KV cache; slower, see docs/design.md)",
     )
+    workers = parser.add_argument_group("layers on other machines (llama.cpp, target only)")
+    workers.add_argument(
+        "--rpc",
+        type=rpc_endpoints,
+        default=(),
+        metavar="HOST:PORT[,...]",
+        help="put the target's layers on these `specexec worker`s, in contiguous blocks, in order; its "
+        "embedding and output head stay here, and so does the draft (docs/cluster.md)",
+    )
+    workers.add_argument(
+        "--split",
+        type=shares,
+        default=None,
+        metavar="W1,W2,...",
+        help="the workers' shares of the layers, e.g. 3,1 (default: by each worker's free memory)",
+    )
     parser.add_argument(
         "--mlock",
         action="store_true",
@@ -230,6 +246,27 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def rpc_endpoints(text: str) -> tuple[str, ...]:
+    """--rpc's endpoints, or argparse's one-line error."""
+    from specexec.backends.llamacpp.rpc import parse_endpoints
+
+    try:
+        return parse_endpoints(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def shares(text: str) -> tuple[float, ...]:
+    """--split's positive shares, comma-separated."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not numbers: {text!r}") from None
+    if not all(value > 0 for value in values):
+        raise argparse.ArgumentTypeError(f"every share must be above 0: {text!r}")
+    return values
+
+
 def pair_spec(
     args: argparse.Namespace,
     with_draft: bool,
@@ -249,6 +286,8 @@ def pair_spec(
         ram=args.ram,
         mlock=args.mlock,
         batch_invariant=args.batch_invariant,
+        rpc=args.rpc,
+        split=args.split,
     )
     return PairSpec(
         target=args.target,

@@ -66,6 +66,13 @@ class LoadedPair:
         return memory.describe() if memory is not None else ""
 
     @property
+    def placement(self) -> str:
+        """Which of the target's layers run on which RPC worker ("" when all run here)."""
+        from specexec.backends import as_model
+
+        return as_model(self.target).placement()
+
+    @property
     def backend_label(self) -> str:
         return backend_label(self.target_backend, self.draft_backend)
 

@@ -157,6 +157,10 @@ class Model(Protocol):
         """Where its weights are when part of them is read from storage on every pass (`--ram`); None
         when they are all in memory."""
 
+    def placement(self) -> str:
+        """Where its layers run beyond this process, for the stats line and the server log ("" where all
+        run here)."""
+
     def make_runner(self, capacity: int, trees: bool = True) -> Runner:
         """A runner of `capacity` slots to start with. `trees=False` says the generation expects plain
         one-token steps (a runtime may then start smaller and grow at its first tree)."""

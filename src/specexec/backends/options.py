@@ -81,6 +81,12 @@ class LoadOptions:
         False, "batch_invariant", "--batch-invariant", "verification bit for bit as plain decoding",
         target_only=True,
     )  # fmt: skip
+    # The target's layers on llama.cpp RPC workers ("HOST:PORT" each), the output head kept here; `split`:
+    # their shares of the layers (None: by each worker's free memory)
+    rpc: tuple[str, ...] = _option((), "rpc", "--rpc", "layers on other machines", target_only=True)
+    split: tuple[float, ...] | None = _option(
+        None, "rpc", "--split", "layers on other machines", target_only=True
+    )
     vocab: int = _option(0, None)  # > 0: a draft scoring only its first `vocab` ids (`specexec.draft_vocab`)
     always: tuple[int, ...] = _option((), None)  # ids a reduced head keeps whatever `vocab` (special tokens)
 

@@ -9,8 +9,10 @@ same command standalone.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -214,6 +216,15 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
         return EXIT_FAILURE
 
 
+def _network(workers: tuple[str, ...]) -> Callable[[], tuple[int, int]] | None:
+    """What counts the bytes sent to and received from the target's RPC workers (None: it has none)."""
+    if not workers:
+        return None
+    from specexec.backends.llamacpp import rpc
+
+    return functools.partial(rpc.traffic, workers)
+
+
 def _run(args: argparse.Namespace, command: str) -> int:
     import importlib.util
     from pathlib import Path
@@ -268,6 +279,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         drafts=drafts,
         llamacpp=llamacpp,
         llamacpp_spec=llamacpp_spec,
+        network=_network(spec.load.rpc),
     )
     last = list(pairs.values())[-1]  # several levels: the report names the last one's backends
     ran_llama_cpp = llamacpp or llamacpp_spec or "llamacpp" in (last.target_backend, last.draft_backend)
@@ -285,6 +297,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         draft_weights=draft.weights if draft is not None else None,
         backend=last.backend_label,
         llama_cpp=_llama_cpp_kernels(spec.load.batch_invariant) if ran_llama_cpp else None,
+        rpc=as_model(main_pair.target).workers.record() if spec.load.rpc else None,
     )
     paths = write_outputs(args.out, result.records, result.rows, machine)
     _print_rows(result.rows)
@@ -359,7 +372,7 @@ def _llamacpp_runners(
         from specexec.bench.llamacpp import LlamaCpp
 
         context = longest_prompt + args.max_new_tokens + 8
-        llamacpp = LlamaCpp(gguf_file(args.target), context, spec.load)
+        llamacpp = LlamaCpp(gguf_file(args.target), context, options=spec.load)
     if "llamacpp-spec" in args.methods:
         from specexec.bench.llamacpp import LlamaCppSpeculative
 
@@ -371,7 +384,7 @@ def _llamacpp_runners(
 
             draft = derived_draft(draft, 0, (), quant, args.threads)
         target = gguf_file(args.target)
-        llamacpp_spec = LlamaCppSpeculative(target, draft, context, spec.load)
+        llamacpp_spec = LlamaCppSpeculative(target, draft, context, options=spec.load)
     return llamacpp, llamacpp_spec
 
 

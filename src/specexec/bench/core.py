@@ -30,7 +30,7 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import product
@@ -296,6 +296,7 @@ def run_benchmark(
     drafts: Mapping[int, PreTrainedModel] | None = None,
     llamacpp=None,
     llamacpp_spec=None,
+    network: Callable[[], tuple[int, int]] | None = None,
 ) -> BenchResult:
     """Run every configuration on every prompt (interleaved, after a warm-up) and summarize.
 
@@ -303,7 +304,8 @@ def run_benchmark(
     levels to their pairs. A configuration whose `draft_vocab` N is in `drafts` runs `drafts[N]` instead of
     its pair's draft (the pairs' drafts serve the one other value). `llamacpp` is a
     `specexec.bench.llamacpp.LlamaCpp` and `llamacpp_spec` a `specexec.bench.llamacpp.LlamaCppSpeculative`,
-    for the llamacpp and llamacpp-spec methods.
+    for the llamacpp and llamacpp-spec methods. `network()`, where the target's layers are on other
+    machines, gives the bytes sent to and received from them so far (each record gets its run's).
     `eos_token_id` defaults to `eos_token_ids(target, tokenizer)`; the same ids go to every method.
     `warmup_tokens` = 0 skips the warm-up. `repeats` > 1 runs every (prompt, configuration) pair that many
     times with the same seed, so the same tokens, timed again: repeat r goes through the prompts again
@@ -324,7 +326,7 @@ def run_benchmark(
     )  # fmt: skip
     eos = list(eos_token_ids(target, tokenizer) if eos_token_id is None else eos_token_id)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    run = _ConfigRunner(pairs, drafts, external, eos, sampling)
+    run = _ConfigRunner(pairs, drafts, external, eos, sampling, network=network)
     from tqdm.auto import tqdm
 
     if warmup_tokens > 0:
@@ -347,12 +349,19 @@ class _ConfigRunner:
     sampling: dict
     # As in a server: the auto budgets of each configuration keep learning from one prompt to the next.
     learnt: LearntPolicies = field(default_factory=LearntPolicies)
+    network: Callable[[], tuple[int, int]] | None = None  # bytes sent to and received from RPC workers
 
     def __call__(self, config: BenchConfig, prompt: Prompt, tokens: int, seed: int) -> dict:
-        """The run's record, with the bytes it read from storage (a target streamed with --ram)."""
+        """The run's record, with the bytes it read from storage (a target streamed with --ram) and, over
+        RPC, the bytes it sent to the workers and received from them."""
         before = read_bytes()
+        exchanged = self.network() if self.network else None
         record = self._run(config, prompt, tokens, seed)
         record["storage_read_bytes"] = read_bytes() - before
+        if exchanged is not None:
+            sent, received = self.network()
+            record["network_sent_bytes"] = sent - exchanged[0]
+            record["network_received_bytes"] = received - exchanged[1]
         return record
 
     def _run(self, config: BenchConfig, prompt: Prompt, tokens: int, seed: int) -> dict:

@@ -53,7 +53,7 @@ class LlamaCpp:
     by name, set over them): on `options.threads` threads (default: torch's thread count)."""
 
     def __init__(
-        self, gguf: str | os.PathLike, context: int, options: LoadOptions | None = None, **fields: Any
+        self, gguf: str | os.PathLike, context: int, *, options: LoadOptions | None = None, **fields: Any
     ) -> None:
         from specexec.bench.errors import BenchError
 
@@ -145,6 +145,7 @@ class LlamaCppSpeculative:
         target: str | os.PathLike,
         draft: str | os.PathLike,
         context: int,
+        *,
         options: LoadOptions | None = None,
         **fields: Any,
     ) -> None:
@@ -326,7 +327,8 @@ def _llama_taking_params() -> type:
     """`llama_cpp.Llama`, loading with the model parameters it is given and making its context with the
     eval callback it is given. `Llama.__init__` takes neither: it starts its `model_params` and
     `context_params` from llama.cpp's defaults, sets its own arguments on them, and loads at once. These
-    properties hand it the given model parameters (llama.cpp's defaults but what `load_weights` set) and
+    properties hand it the given model parameters (llama.cpp's defaults but what `load_weights` set), a
+    copy at each read so that its own settings (its load mode, no layers on devices) do not land, and
     set the callback on its context parameters."""
     import llama_cpp
 
@@ -337,11 +339,12 @@ def _llama_taking_params() -> type:
 
         @property
         def model_params(self):
-            return self._model_params
+            given = self._given_model_params
+            return type(given).from_buffer_copy(given)
 
         @model_params.setter
         def model_params(self, defaults) -> None:
-            self._model_params = self._given_model_params
+            pass  # its defaults: the given parameters stand instead
 
         @property
         def context_params(self):

@@ -144,6 +144,12 @@ def _row(group: list[dict], reference: dict[int, list[int]]) -> dict:
     read = [r.get("storage_read_bytes") for r in group]
     passes = row["target_calls"] + len(group)
     row["read_mib_per_target_pass"] = sum(read) / passes / 2**20 if None not in read else None
+    # Bytes to and from RPC workers per target pass, the prefill's counted (only runs over RPC count them).
+    for way in ("sent", "received"):
+        counts = [r.get(f"network_{way}_bytes") for r in group]
+        row[f"network_{way}_kib_per_target_pass"] = (
+            sum(counts) / passes / 2**10 if None not in counts else None
+        )
     row["prefill_timing"] = first["prefill_timing"]
     row["hf_settings"] = first.get("hf_settings")
     row.update(_identity(group, reference))
@@ -222,6 +228,7 @@ def machine_info(
     backend: str | None = None,
     memory: WeightsMemory | None = None,
     llama_cpp: dict | None = None,
+    rpc: dict | None = None,
 ) -> dict:
     """Where and how the numbers were measured (`simulated_offload` labels simulated target timings)."""
     import torch
@@ -256,6 +263,7 @@ def machine_info(
         "seed": seed,
         # --ram: the target's weights in RAM and streamed per pass, the disk's speed (measured at load)
         "weights_memory": dataclasses.asdict(memory) if memory is not None else None,
+        "rpc": rpc,
         # llama.cpp's version and kernels (`specexec.backends.llamacpp.extra_buffers.kernels`), if it ran
         "llama_cpp": llama_cpp,
     }
@@ -434,6 +442,19 @@ def _notes(rows: Sequence[dict], machine: dict) -> list[str]:
             f"{memory['window'] / 2**20:.0f} MiB, {memory['in_ram'] / 2**20:.0f} MiB in RAM at the end; disk "
             f"{memory['disk_bytes_per_second'] / 1e9:.2f} GB/s (sequential, measured at load). MiB read from "
             f"storage per target pass: {reads}.",
+        ]
+    if machine.get("rpc"):
+        exchanged = ", ".join(
+            f"{row['label']} {row['network_sent_kib_per_target_pass']:.0f}/"
+            f"{row['network_received_kib_per_target_pass']:.0f}"
+            for row in rows
+            if row.get("network_sent_kib_per_target_pass") is not None
+        )
+        trips = ", ".join(f"{w['endpoint']} {w['round_trip_ms']:.2f} ms" for w in machine["rpc"]["workers"])
+        lines += [
+            "",
+            f"{machine['rpc']['placement']}. Round trip (measured at load): {trips}. KiB sent/received per "
+            f"target pass: {exchanged}.",
         ]
     return lines
 

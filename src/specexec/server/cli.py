@@ -140,6 +140,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     if pair.memory:
         log.info("target %s", pair.memory)
+    if pair.placement:
+        log.info("%s", pair.placement)
     # Connections beyond what the queue admits, plus room for /health and /metrics, get uvicorn's 503.
     config = uvicorn.Config(
         app, log_level=args.log_level, timeout_graceful_shutdown=5, limit_concurrency=2 * args.max_queue + 32

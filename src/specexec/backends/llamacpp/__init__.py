@@ -23,7 +23,7 @@ def unavailable() -> str | None:
 
 
 # The load options it takes: it runs the GGUF's own weights, or for a draft a copy of its own (`gguf_quant`)
-OPTIONS = ("threads", "vocab", "ram", "gguf_quant", "mlock", "batch_invariant")
+OPTIONS = ("threads", "vocab", "ram", "gguf_quant", "mlock", "batch_invariant", "rpc")
 MAX_TREE_LEAVES = LlamaCppModel.max_tree_leaves
 
 
@@ -36,7 +36,7 @@ def refusal(given: list[Given]) -> str | None:
 
 
 def load(path: Path, options: LoadOptions) -> LlamaCppModel:
-    return LlamaCppModel(path, options)
+    return LlamaCppModel(path, options=options)
 
 
 def least_ram(path: Path) -> int:

@@ -33,10 +33,6 @@ CACHE_FILE = "llamacpp-extra-buffers.json"
 BLOCK = 16  # tokens decoded at once by the child: more than one row takes ggml's AMX tile path
 WIDTH = 256  # the tiny model's sizes: multiples of what AMX and repacking need (32 rows, 256 columns)
 CHILD_TIMEOUT = 300.0
-REBUILD = (
-    'CMAKE_ARGS="-DCMAKE_PROJECT_INCLUDE={include}" '
-    "python -m pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python=={version}"
-)
 
 
 @dataclass(frozen=True)
@@ -51,15 +47,14 @@ class Verdict:
 def extra_buffers_usable() -> bool:
     """Whether models may load with llama.cpp's extra buffer types on (asked once per build and CPU, then
     cached; the first answer of this process is kept). Where not, a line on stderr says so once."""
-    import llama_cpp
+    from specexec.backends.llamacpp.library import rebuild_command
 
     verdict = cached_verdict(library_build(), cpu_key(), probe)
     if not verdict.usable:
-        include = Path(__file__).with_name("llama_cpp_amx.cmake")
-        rebuild = REBUILD.format(include=include, version=llama_cpp.__version__)
         print(
             f"specexec: llama.cpp's AMX and repacked kernels fail on this CPU with this build "
-            f"({verdict.reason}); models load without them (slower verification). Rebuild: {rebuild}",
+            f"({verdict.reason}); models load without them (slower verification). Rebuild: "
+            f"{rebuild_command()}",
             file=sys.stderr,
         )
     return verdict.usable

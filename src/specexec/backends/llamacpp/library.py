@@ -16,6 +16,18 @@ CPU = torch.device("cpu")
 INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from source, about 10 minutes)"
 
 
+def rebuild_command() -> str:
+    """The command that rebuilds the installed llama-cpp-python as the README's install builds it: with
+    llama.cpp's RPC backend and llama_cpp_amx.cmake's fix (the installed version, from source)."""
+    import llama_cpp
+
+    include = Path(__file__).with_name("llama_cpp_amx.cmake")
+    return (
+        f'CMAKE_ARGS="-DGGML_RPC=ON -DCMAKE_PROJECT_INCLUDE={include}" python -m pip install '
+        f"--force-reinstall --no-cache-dir --no-deps llama-cpp-python=={llama_cpp.__version__}"
+    )
+
+
 class LlamaCppError(BackendError, RuntimeError):
     """The llama.cpp backend cannot run this request; the message says why."""
 

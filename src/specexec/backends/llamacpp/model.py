@@ -75,7 +75,7 @@ class LlamaCppModel:
     device = CPU
     max_tree_leaves = MAX_SEQUENCES - 1  # every leaf of a verified tree is a sequence of its own
 
-    def __init__(self, gguf: str | os.PathLike, options: LoadOptions | None = None, **fields: Any) -> None:
+    def __init__(self, gguf: str | os.PathLike, *, options: LoadOptions | None = None, **fields: Any) -> None:
         options = load_options(options, **fields)
         vocab, quant = options.vocab, options.quant
         self._llama_cpp = llama_cpp = llama_cpp_library()
@@ -109,6 +109,7 @@ class LlamaCppModel:
         loaded_weights = load_weights(self.gguf, options, load)
         self.extra_buffers = loaded_weights.extra_buffers
         self.stream: Streamer | None = loaded_weights.streamer
+        self.workers = loaded_weights.placement  # its layers on RPC workers, or None
         vocab_handle = llama_cpp.llama_model_get_vocab(self.handle)
         self.head_rows = llama_cpp.llama_vocab_n_tokens(vocab_handle)  # rows of logits llama.cpp returns
         eos = [
@@ -167,20 +168,27 @@ class LlamaCppModel:
             self.stream.disk_bytes_per_second,
         )  # fmt: skip
 
+    def placement(self) -> str:
+        """Which layers run on which RPC worker ("" where all run here)."""
+        return self.workers.describe() if self.workers is not None else ""
+
     def eos_token_ids(self) -> list[int]:
         """The end-of-sequence and end-of-turn ids of the GGUF's vocabulary."""
         return list(self._eos)
 
     def cost_key(self) -> str:
         """What the calibration cache keys on: file, size, weight type, threads, library version and
-        build, whether extra buffer types (AMX, repacking) are off, and when streamed, how much and how
-        it is read (past the page cache or through it)."""
+        build, whether extra buffer types (AMX, repacking) are off, when streamed, how much and how it is
+        read (past the page cache or through it), and over RPC, the workers, their layers and the round
+        trip to each."""
         head = f":head{self.head_rows}" if self.head is not None else ""
         buffers = "" if self.extra_buffers else ":plain-buffers"
         buffers += ":batch-invariant" if self.batch_invariant else ""
         streamed = ""
         if self.stream is not None:
             streamed = f":streamed{self.stream.plan.streamed_bytes}-{self.stream.reads}"
+        if self.workers is not None:
+            streamed += f":rpc{self.workers.key()}"
         return (
             f"llamacpp:{self.gguf.name}:{version(self.gguf)}:{self.weights}{head}{streamed}{buffers}:"
             f"{self.threads}t:{self.version}:{library_build()}"

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from specexec.backends.base import SlotRunner, grown_capacity
+from specexec.backends.llamacpp import rpc
 from specexec.backends.llamacpp.library import (
     CPU,
     MAX_SEQUENCES,
@@ -331,7 +332,8 @@ class LlamaCppRunner(SlotRunner):
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
             params.type_k = params.type_v = GGML_TYPE_Q8_0
         note_context()
-        ctx = llama_cpp.llama_init_from_model(self.model.handle, params)
+        with rpc.graph_reuse_off(self.model.workers is not None):
+            ctx = llama_cpp.llama_init_from_model(self.model.handle, params)
         if not ctx:
             raise LlamaCppError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
         return ctx

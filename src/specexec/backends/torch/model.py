@@ -82,5 +82,8 @@ class TorchModel:
     def memory(self) -> None:
         return None  # in memory (offloading streams from host RAM, which holds every weight)
 
+    def placement(self) -> str:
+        return ""  # every layer runs in this process
+
     def make_runner(self, capacity: int, trees: bool = True) -> ModelRunner:
         return ModelRunner(self.module, capacity)  # slot buffers serve trees and plain steps alike

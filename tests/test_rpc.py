@@ -1,0 +1,215 @@
+"""A target's layers on RPC workers (`specexec worker`, `--rpc`), on tiny GGUFs with workers on loopback:
+logits over RPC are the local ones bit for bit (the same kernels: repacking off on both sides), every
+method's greedy output over RPC is `ar`'s over RPC, and bad endpoints are one-line errors, each with its
+negative control."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rpc_workers import free_port
+from test_batch_invariant import FLAT, PROMPT, k_quant_gguf
+
+import specexec
+from specexec.backends.llamacpp import rpc, weights
+from specexec.backends.llamacpp.library import LlamaCppError
+from specexec.backends.llamacpp.model import LlamaCppModel
+from specexec.backends.llamacpp.runner import LlamaCppRunner
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = str(tmp_path_factory.mktemp("rpc"))
+    return k_quant_gguf(folder, 0.0, layers=4), k_quant_gguf(folder, 0.05, layers=4)
+
+
+@pytest.fixture
+def plain_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repacking off here too: a worker's CPU backend computes on plain buffers."""
+    monkeypatch.setattr(weights, "extra_buffers_usable", lambda: False)
+
+
+def test_the_layers_go_in_the_blocks_asked(ggufs, rpc_workers, plain_buffers) -> None:
+    model = LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, split=(3.0, 1.0))
+    assert [(b.start, b.stop) for b in model.workers.blocks] == [(0, 3), (3, 4)]
+    first, second = rpc_workers
+    assert model.placement() == (
+        f"target over RPC: {first} layers 0-2, {second} layers 3-3; embedding and output head local"
+    )
+    assert ":rpc127.0.0.1" in model.cost_key()
+
+
+def test_llama_cpp_assigns_layers_as_tensor_split_says() -> None:
+    """`tensor_split` against llama.cpp's own rule (src/llama-model.cpp: the first device whose cumulative
+    share exceeds il / (layers + 1)), for every block layout of up to 3 workers on up to 40 layers."""
+    for layers in range(1, 41):
+        for shares in ([1.0], [1.0, 1.0], [3.0, 1.0], [1.0, 5.0, 2.0], [0.1, 0.1, 10.0]):
+            if len(shares) > layers:
+                continue
+            blocks = rpc.layer_blocks(layers, shares)
+            assert blocks[0].start == 0 and blocks[-1].stop == layers
+            assert all(
+                len(b) >= 1 and b.stop == after.start for b, after in zip(blocks, blocks[1:], strict=False)
+            )
+            cumulative, total = [], 0.0
+            for share in rpc.tensor_split(layers, blocks):
+                total += share
+                cumulative.append(total)
+            for il in range(layers):
+                device = next(i for i, c in enumerate(cumulative) if c / total > il / (layers + 1))
+                assert il in blocks[device], (layers, shares, il)
+
+
+def test_logits_over_rpc_equal_local_logits(ggufs, rpc_workers, plain_buffers) -> None:
+    local = LlamaCppModel(ggufs[0], threads=1)
+    remote = LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)
+    assert not local.extra_buffers and not remote.extra_buffers
+    block = torch.tensor(PROMPT[::-1] * 3)
+    results = []
+    for model in (local, remote):
+        runner = LlamaCppRunner(model, 64)
+        prefill = runner.extend(torch.tensor(PROMPT), logits_to_keep=len(PROMPT))
+        n = runner.length
+        positions = torch.arange(n, n + len(block))
+        allowed = torch.ones(len(block), n + len(block), dtype=torch.bool).tril(n)
+        results.append((prefill, runner.forward_tree(block, positions, positions, allowed, len(block))))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    sent, received = rpc.traffic(rpc_workers)
+    assert sent > 0 and received > 0  # the layers did run on the workers
+
+
+def test_every_method_gives_ars_greedy_tokens_over_rpc(ggufs, rpc_workers) -> None:
+    target = LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)
+    draft = LlamaCppModel(ggufs[1], threads=1)
+    assert draft.workers is None
+    reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=NEW).tokens
+    assert len(set(reference)) >= 6  # test design: not one repeated token
+    for args in (
+        dict(method="sd", budget=4),
+        dict(method="dsl", budget="auto", cost_model=FLAT),
+        dict(method="specinfer", budget=16, branches=4),
+        dict(method="specexec", budget=32),
+        dict(method="specexec", budget="auto", cost_model=FLAT),
+    ):
+        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args)
+        assert out.tokens == reference, args
+
+
+def test_malformed_endpoints_are_one_line_errors() -> None:
+    assert rpc.parse_endpoints("10.0.0.2:50052, host-b:7000,[::1]:9") == (
+        "10.0.0.2:50052",
+        "host-b:7000",
+        "[::1]:9",
+    )
+    for text, said in (
+        ("", "at least one worker"),
+        ("10.0.0.2", "not HOST:PORT"),
+        ("10.0.0.2:0", "not HOST:PORT"),
+        ("10.0.0.2:70000", "not HOST:PORT"),
+        ("a b:1", "not HOST:PORT"),
+        ("h:1,h:1", "names a worker twice"),
+    ):
+        with pytest.raises(LlamaCppError, match=said):
+            rpc.parse_endpoints(text)
+
+
+def test_a_worker_that_does_not_answer_is_a_one_line_error(rpc_workers) -> None:
+    rpc.probe(rpc_workers[0])  # the negative control: a live worker answers
+    with pytest.raises(LlamaCppError, match=r"cannot be reached: Connection refused"):
+        rpc.probe(f"127.0.0.1:{free_port()}")
+    with fake_worker(answer=None) as endpoint, pytest.raises(LlamaCppError, match="did not answer within"):
+        rpc.probe(endpoint, timeout=0.5)
+
+
+@pytest.mark.parametrize(("version", "error"), [((7, 0, 0), None), ((6, 1, 0), "speaks RPC protocol 6.1.0")])
+def test_another_protocol_version_is_a_one_line_error(version, error) -> None:
+    with fake_worker(answer=version) as endpoint:
+        if error is None:
+            assert rpc.probe(endpoint).version == version  # the control: the same version passes
+        else:
+            with pytest.raises(LlamaCppError, match=error):
+                rpc.probe(endpoint)
+
+
+class fake_worker:
+    """A server on loopback that answers HELLO with `answer` (a version) and the device questions as a
+    worker would, or (None) accepts and never answers."""
+
+    def __init__(self, answer: tuple[int, int, int] | None) -> None:
+        self.answer = answer
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return f"127.0.0.1:{self.server.getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.close()
+
+    def _serve(self) -> None:
+        try:
+            client, _ = self.server.accept()
+        except OSError:
+            return
+        with client:
+            if self.answer is None:
+                client.recv(64)
+                time.sleep(2)
+                return
+            replies = {
+                14: bytes(self.answer) + bytes(1 + 24),
+                15: struct.pack("<I", 1),
+                11: struct.pack("<QQ", 1, 2),
+            }
+            while header := client.recv(9):
+                command, size = struct.unpack("<BQ", header)
+                if size:
+                    client.recv(size)
+                reply = replies[command]
+                client.sendall(struct.pack("<Q", len(reply)) + reply)
+
+
+def test_rpc_is_refused_with_ram_and_split_needs_it(ggufs, rpc_workers) -> None:
+    with pytest.raises(LlamaCppError, match="--rpc puts the target's layers on workers, --ram"):
+        LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, ram=1 << 20)
+    with pytest.raises(LlamaCppError, match="--split gives the shares of RPC workers: it needs --rpc"):
+        LlamaCppModel(ggufs[0], threads=1, split=(1.0, 1.0))
+    with pytest.raises(LlamaCppError, match="--batch-invariant cannot choose the kernels of RPC workers"):
+        LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, batch_invariant=True)
+    with pytest.raises(LlamaCppError, match="--split gives 3 shares for 2 workers"):
+        LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, split=(1.0, 1.0, 1.0))
+    LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, split=(1.0, 1.0))  # the control: all well given
+
+
+def test_the_worker_command_refuses_a_taken_port_and_warns_off_loopback(rpc_workers) -> None:
+    port = rpc_workers[0].rsplit(":", 1)[1]
+    taken = subprocess.run(
+        [sys.executable, "-m", "specexec.cli", "worker", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert taken.returncode == 1
+    assert taken.stderr.strip().splitlines() == [
+        f"specexec worker: error: cannot serve on 127.0.0.1:{port}: Address already in use"
+    ]
+    anywhere = subprocess.run(
+        [sys.executable, "-m", "specexec.cli", "worker", "--host", "0.0.0.0", "--port", port],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    warning, error = anywhere.stderr.strip().splitlines()
+    assert "warning: listening on 0.0.0.0: llama.cpp's RPC protocol has no authentication" in warning
+    assert "Address already in use" in error and anywhere.returncode == 1
+    assert rpc.is_loopback("127.0.0.1") and rpc.is_loopback("localhost") and rpc.is_loopback("::1")
+    assert not rpc.is_loopback("0.0.0.0") and not rpc.is_loopback("10.1.2.3")
