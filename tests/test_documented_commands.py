@@ -22,7 +22,9 @@ from specexec.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(?:specexec|python -m specexec\.bench)\s+(generate|bench|calibrate|serve)?\b([^`\n]*)")
+COMMAND = re.compile(
+    r"(?:specexec|python -m specexec\.bench)\s+(generate|bench|calibrate|serve|worker)?\b([^`\n]*)"
+)
 
 
 def documented_commands(text: str) -> list[tuple[str, str]]:
@@ -55,7 +57,13 @@ def unknown_options(text: str) -> list[str]:
 
 def test_every_option_the_docs_show_is_in_help() -> None:
     commands = [c for doc in DOCS for c in documented_commands(doc.read_text())]
-    assert len(commands) > 20 and {sub for sub, _ in commands} == {"generate", "bench", "calibrate", "serve"}
+    assert len(commands) > 20 and {sub for sub, _ in commands} == {
+        "generate",
+        "bench",
+        "calibrate",
+        "serve",
+        "worker",
+    }
     unknown = {f"{doc.name}: {u}" for doc in DOCS for u in unknown_options(doc.read_text())}
     assert not unknown, sorted(unknown)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rpc_workers import free_port
+from rpc_workers import free_port, start_worker, stop
 from test_batch_invariant import FLAT, PROMPT, k_quant_gguf
 
 import specexec
@@ -213,3 +213,63 @@ def test_the_worker_command_refuses_a_taken_port_and_warns_off_loopback(rpc_work
     assert "Address already in use" in error and anywhere.returncode == 1
     assert rpc.is_loopback("127.0.0.1") and rpc.is_loopback("localhost") and rpc.is_loopback("::1")
     assert not rpc.is_loopback("0.0.0.0") and not rpc.is_loopback("10.1.2.3")
+
+
+GENERATE = """
+import sys
+import specexec
+from specexec.backends.llamacpp.model import LlamaCppModel
+
+target = LlamaCppModel(sys.argv[1], threads=1, rpc=(sys.argv[2],))
+print("loaded", flush=True)
+for _ in range(int(sys.argv[3])):
+    specexec.generate(target, None, [3, 17, 42], method="ar", max_new_tokens=64)
+print("done", flush=True)
+"""
+
+
+def test_a_worker_killed_mid_generation_ends_it_in_one_line_and_a_restarted_one_serves(
+    ggufs, tmp_path: Path
+) -> None:
+    script = tmp_path / "generate.py"
+    script.write_text(GENERATE)
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    worker = start_worker(port)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(ggufs[0]), endpoint, "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline() == "loaded\n"
+        time.sleep(1.0)  # generating
+        stop(worker)
+        killed = time.monotonic()
+        child.wait(timeout=30)
+        assert time.monotonic() - killed < 10
+    finally:
+        child.kill()
+    assert child.returncode == 1
+    (line,) = child.stderr.read().strip().splitlines()
+    assert line.startswith("specexec: error: llama.cpp stopped: lost the connection to an RPC worker")
+    worker = start_worker(port)  # the next generation, once the worker is back
+    try:
+        again = subprocess.run(
+            [sys.executable, str(script), str(ggufs[0]), endpoint, "1"], capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    finally:
+        stop(worker)
+    assert again.returncode == 0 and again.stdout.splitlines() == ["loaded", "done"], again.stderr
+
+
+def test_a_worker_that_acknowledges_nothing_is_given_up_after_a_bound(ggufs, rpc_workers) -> None:
+    """TCP_USER_TIMEOUT on llama.cpp's connections to the workers: a worker gone from the network (the
+    data sent to it never acknowledged) breaks the connection after LOST_AFTER_MS, which ends the pass
+    as a killed worker does (above). Checked here on the connections; a lost network is not emulated."""
+    model = LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)
+    connections = list(rpc._connections(rpc_workers))
+    assert len(connections) >= 2 and model.workers is not None
+    for sock in connections:
+        with sock:
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == rpc.LOST_AFTER_MS

@@ -70,6 +70,23 @@ def batch_invariant_kernels() -> None:
     os.environ[TILED_MATMUL_SWITCH] = "0"
 
 
+def ggml_library(name: str) -> ctypes.CDLL | None:
+    """The library `name` ("libggml-base", "libggml", "libggml-cpu", "libggml-rpc") as libllama loaded it,
+    None where it is not loaded. llama-cpp-python's wheel holds each library as copies, not links
+    (libggml.so, libggml.so.0, ...): opening another copy than libllama's would load a second instance
+    of ggml, with state of its own (its backends, its abort callback)."""
+    llama_cpp = llama_cpp_library()
+    folder = Path(llama_cpp.__file__).parent / "lib"
+    try:
+        mapped = {line.split(maxsplit=5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    except OSError:  # no /proc: the file the loader names by the library's major version
+        candidates = [folder / f"{name}.so.0"]
+    else:
+        candidates = [Path(path) for path in mapped if path.startswith(f"{folder}/{name}.so")]
+    found = [path for path in candidates if path.is_file()]
+    return ctypes.CDLL(str(found[0])) if found else None
+
+
 _TENSOR_NAME = None
 
 
@@ -77,9 +94,7 @@ def tensor_name(tensor: int) -> bytes:
     """A ggml tensor's name (`ggml_get_name`, from the ggml library llama-cpp-python ships)."""
     global _TENSOR_NAME
     if _TENSOR_NAME is None:
-        import llama_cpp
-
-        ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+        ggml = ggml_library("libggml-base")
         ggml.ggml_get_name.restype = ctypes.c_char_p
         ggml.ggml_get_name.argtypes = (ctypes.c_void_p,)
         _TENSOR_NAME = ggml.ggml_get_name
@@ -96,7 +111,8 @@ def _quiet(llama_cpp) -> None:
 
         @llama_cpp.llama_log_callback
         def errors_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            if level == 4:  # GGML_LOG_LEVEL_ERROR
+            # ggml-rpc's transport errors come before the abort that says them in one line (`rpc`)
+            if level == 4 and not text.startswith((b"send failed", b"recv failed")):  # GGML_LOG_LEVEL_ERROR
                 sys.stderr.write(text.decode("utf-8", "replace"))
 
         _LOG_CALLBACK = errors_only

@@ -22,12 +22,13 @@ import os
 import re
 import socket
 import struct
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from specexec.backends.llamacpp.library import LlamaCppError, llama_cpp_library, rebuild_command
+from specexec.backends.llamacpp.library import LlamaCppError, ggml_library, llama_cpp_library, rebuild_command
 
 # The protocol of the ggml-rpc.h that llama-cpp-python 0.3.36 vendors (RPC_PROTO_MAJOR/MINOR_VERSION): a
 # server must have the same major version and a minor one no newer (ggml-rpc's own handshake rule).
@@ -193,6 +194,15 @@ class Placement:
         params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
         params.n_gpu_layers = -1  # every layer on the devices, but for LOCAL_TENSORS
         self._arrays = (device_array, split, overrides)
+        _end_in_one_line_on_abort()
+
+    def watch(self) -> None:
+        """Once the model is loaded: a worker that stops acknowledging what is sent to it for
+        LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's connections to the
+        workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes."""
+        for sock in _connections(tuple(w.endpoint for w in self.workers)):
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LOST_AFTER_MS)
 
     def record(self) -> dict:
         """What a benchmark's machine record says of the workers."""
@@ -271,24 +281,66 @@ def serve(host: str, port: int, threads: int) -> None:
     rpc.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), None, threads, 1, devices)
 
 
+LOST_AFTER_MS = 10_000  # a worker that acknowledges nothing for this long is taken for gone
+
+
 def traffic(endpoints: tuple[str, ...]) -> tuple[int, int]:
     """Bytes this process has sent to and received from the workers at `endpoints` (the kernel's
     counts of its TCP connections to them: TCP_INFO's bytes_acked and bytes_received)."""
-    wanted = {_address(endpoint) for endpoint in endpoints}
     sent = received = 0
+    for sock in _connections(endpoints):
+        with sock:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        acked, got = struct.unpack_from("<QQ", info, 120)  # tcpi_bytes_acked, tcpi_bytes_received
+        sent, received = sent + acked, received + got
+    return sent, received
+
+
+def _connections(endpoints: tuple[str, ...]) -> Iterator[socket.socket]:
+    """This process's TCP connections to `endpoints` (llama.cpp's own), each as a socket on a duplicate of
+    its descriptor: options set on it are the connection's, closing it closes the duplicate only."""
+    wanted = {_address(endpoint) for endpoint in endpoints}
     for fd in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
-            with socket.socket(fileno=os.dup(int(fd))) as sock:
-                if sock.type != socket.SOCK_STREAM or sock.getpeername()[:2] not in wanted:
-                    continue
-                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+            sock = socket.socket(fileno=os.dup(int(fd)))
         except OSError:
-            continue  # closed meanwhile, or not connected
-        acked, got = struct.unpack_from("<QQ", info, 120)  # tcpi_bytes_acked, tcpi_bytes_received
-        sent, received = sent + acked, received + got
-    return sent, received
+            continue  # closed meanwhile
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.getpeername()[:2] in wanted:
+                yield sock
+                continue
+        except OSError:
+            pass  # not connected
+        sock.close()
+
+
+_ON_ABORT = None
+
+
+def _end_in_one_line_on_abort() -> None:
+    """ggml-rpc aborts the process when a worker's connection breaks mid-pass (a dead or unreachable
+    worker) and cannot carry on without it. Have ggml say it in one line and exit with status 1, instead
+    of llama.cpp's message, a backtrace and SIGABRT. Installed once a model goes on workers."""
+    global _ON_ABORT
+    if _ON_ABORT is not None:
+        return
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+    def on_abort(message: bytes) -> None:
+        said = message.decode("utf-8", "replace").split(": ", 1)[-1].strip()  # less the source file:line
+        if "RPC" in said or "connect" in said.lower():
+            said = f"lost the connection to an RPC worker ({said}); restart it, then specexec"
+        sys.stderr.write(f"specexec: error: llama.cpp stopped: {said}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    base = _library("libggml-base")
+    base.ggml_set_abort_callback.restype = ctypes.c_void_p
+    base.ggml_set_abort_callback.argtypes = (ctypes.c_void_p,)
+    base.ggml_set_abort_callback(ctypes.cast(on_abort, ctypes.c_void_p))
+    _ON_ABORT = on_abort  # kept: ggml holds the pointer
 
 
 _TCP_INFO_BYTES = 136  # struct tcp_info up to tcpi_bytes_received (Linux 4.1 and later)
@@ -305,18 +357,15 @@ class _BufferOverride(ctypes.Structure):
 
 
 def _library(name: str) -> ctypes.CDLL:
-    import llama_cpp
-
-    llama_cpp_library()
-    path = Path(llama_cpp.__file__).parent / "lib" / name
-    if not path.exists():
+    library = ggml_library(name)
+    if library is None:
         missing = "this llama-cpp-python was built without llama.cpp's RPC backend"
         raise LlamaCppError(f"{missing}; rebuild it: {rebuild_command()}")
-    return ctypes.CDLL(str(path))
+    return library
 
 
 def _rpc_library() -> ctypes.CDLL:
-    rpc = _library("libggml-rpc.so")
+    rpc = _library("libggml-rpc")
     rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
     rpc.ggml_backend_rpc_add_server.argtypes = (ctypes.c_char_p,)
     rpc.ggml_backend_rpc_start_server.restype = None
@@ -327,7 +376,7 @@ def _rpc_library() -> ctypes.CDLL:
 
 
 def _ggml_library() -> ctypes.CDLL:
-    ggml = _library("libggml.so")
+    ggml = _library("libggml")
     ggml.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
     ggml.ggml_backend_reg_dev_get.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
@@ -336,7 +385,7 @@ def _ggml_library() -> ctypes.CDLL:
 
 
 def _cpu_buffer_type() -> int:
-    cpu = _library("libggml-cpu.so")
+    cpu = _library("libggml-cpu")
     cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
     return cpu.ggml_backend_cpu_buffer_type()
 

@@ -62,6 +62,8 @@ def load_weights(
             params.use_extra_bufts = False  # asked, or AMX or repacked kernels would kill the process
         with rpc.graph_reuse_off(placement is not None):  # for a context `load` makes (the bench's peers)
             loaded = load(params, None)
+        if placement is not None:
+            placement.watch()
         return LoadedWeights(loaded, None, bool(params.use_extra_bufts), placement)
     # Weights read straight from llama.cpp's mapping: not repacked into anonymous memory.
     params.use_extra_bufts = False
