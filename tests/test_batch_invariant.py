@@ -32,6 +32,7 @@ METHODS = [
     dict(method="specexec", budget=8),
     dict(method="specexec", budget=96),  # past flash attention's 64-row tile and the tiled matmul's 8
     dict(method="specexec", budget="auto", cost_model=FLAT),
+    dict(method="specinfer", budget=255, branches=255),  # 255 leaves, every sequence id a context has
 ]
 
 

@@ -5,7 +5,8 @@ A worker (`specexec worker`, `serve`) holds and computes a contiguous block of a
 CPU backend, for one client at a time. A model loaded with `LoadOptions.rpc` (`placement`) sends its
 repeating layers to the workers and keeps the token embedding and the output head in this process, so a
 verified tree's rows of logits never cross the network: what crosses it per pass is each block's input
-activations (n_embd x tokens x 4 bytes) and the pass's small inputs, in one round trip per worker.
+activations (n_embd x tokens x 4 bytes), the pass's small inputs and its graph, in one round trip per
+worker.
 
 ggml-rpc aborts the whole process when a server cannot be reached, does not answer the handshake, or
 speaks another protocol version. Every endpoint is parsed and asked its version, device count and free
@@ -33,7 +34,6 @@ from specexec.backends.llamacpp.library import LlamaCppError, ggml_library, llam
 # The protocol of the ggml-rpc.h that llama-cpp-python 0.3.36 vendors (RPC_PROTO_MAJOR/MINOR_VERSION): a
 # server must have the same major version and a minor one no newer (ggml-rpc's own handshake rule).
 PROTOCOL = (7, 0)
-DEFAULT_PORT = 50052  # llama.cpp's rpc-server's
 PROBE_SECONDS = 5.0
 _HELLO, _DEVICE_MEMORY, _DEVICE_COUNT = 14, 11, 15  # rpc_cmd values
 _CAPS = 24  # RPC_CONN_CAPS_SIZE: all zero asks for plain TCP
@@ -44,7 +44,7 @@ _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 
 def parse_endpoints(text: str) -> tuple[str, ...]:
-    """ "HOST:PORT[,HOST:PORT...]" as a tuple of endpoints, or a one-line error."""
+    """The endpoints of --rpc's HOST:PORT[,HOST:PORT...], or a one-line error."""
     endpoints = tuple(part.strip() for part in text.split(",") if part.strip())
     if not endpoints:
         raise LlamaCppError("--rpc needs at least one worker, HOST:PORT")

@@ -234,6 +234,8 @@ class LlamaCppRunner(SlotRunner):
         self.length = k + len(tail)
         if subtree is None or not subtree.numel():
             self._drop_tree()
+            if tail and last.sequence and self.model.batch_invariant:
+                self._compact()
             return
         if not tail or self.sequences < MAX_SEQUENCES:
             raise LlamaCppError("llama.cpp backend: a kept subtree must hang below a kept tree path")
@@ -391,6 +393,19 @@ class LlamaCppRunner(SlotRunner):
             return logits
         index = {row: j for j, row in enumerate(order)}
         return logits[[index[row] for row in kept]]
+
+    def _compact(self) -> None:
+        """Lay sequence 0's cells out again in position order from cell 0, as plain decoding leaves them.
+        A kept tree path leaves holes where rejected nodes were, which the next tree's nodes fill, so
+        committed tokens come to sit out of position order; flash attention sums over cells in cell
+        order, and on the packaged pair that moved greedy tokens in the batch-invariant mode."""
+        llama_cpp = self.llama_cpp
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+        state = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
+        llama_cpp.llama_memory_seq_rm(self.memory, 0, -1, -1)  # every cell free: placed from cell 0 on
+        if llama_cpp.llama_state_seq_set_data(self.ctx, state, written, 0) == 0:
+            raise LlamaCppError("llama.cpp could not lay the KV cache out again")
 
     def _position_of(self, position_list: list[int], batch_row: dict[int, int]):
         def position(slot: int) -> int:
