@@ -6,7 +6,6 @@ Every user error ends in one line on stderr and a non-zero exit status, never a 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -78,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         "no authentication, a trusted network only)",
     )
     worker.add_argument("--port", type=positive_int, default=50052)
-    worker.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: cores)")
+    worker.add_argument(
+        "--threads", type=positive_int, default=None, help="compute threads (default: PyTorch's, the cores)"
+    )
 
     from specexec.bench.cli import add_bench_parser
 
@@ -250,7 +251,7 @@ def _worker(args: argparse.Namespace) -> int:
             flush=True,
         )
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the server's accept loop never returns to Python
-        rpc.serve(args.host, args.port, args.threads or os.cpu_count() or 1)
+        rpc.serve(args.host, args.port, args.threads)
         error = f"llama.cpp's RPC server could not listen on {args.host}:{args.port}"
     except (OSError, BackendError) as e:
         error = f"cannot serve on {args.host}:{args.port}: {e.strerror if isinstance(e, OSError) else e}"

@@ -184,13 +184,13 @@ class LlamaCppModel:
         head = f":head{self.head_rows}" if self.head is not None else ""
         buffers = "" if self.extra_buffers else ":plain-buffers"
         buffers += ":batch-invariant" if self.batch_invariant else ""
-        streamed = ""
+        where = ""  # all in RAM here
         if self.stream is not None:
-            streamed = f":streamed{self.stream.plan.streamed_bytes}-{self.stream.reads}"
+            where = f":streamed{self.stream.plan.streamed_bytes}-{self.stream.reads}"
         if self.workers is not None:
-            streamed += f":rpc{self.workers.key()}"
+            where = f":rpc{self.workers.key()}"
         return (
-            f"llamacpp:{self.gguf.name}:{version(self.gguf)}:{self.weights}{head}{streamed}{buffers}:"
+            f"llamacpp:{self.gguf.name}:{version(self.gguf)}:{self.weights}{head}{where}{buffers}:"
             f"{self.threads}t:{self.version}:{library_build()}"
         )
 
