@@ -123,8 +123,9 @@ def test_malformed_endpoints_are_one_line_errors() -> None:
             rpc.parse_endpoints(text)
 
 
-def test_a_worker_that_does_not_answer_is_a_one_line_error(rpc_workers) -> None:
-    rpc.probe(rpc_workers[0])  # the negative control: a live worker answers
+def test_a_worker_that_does_not_answer_is_a_one_line_error() -> None:
+    with fake_worker(answer=(*rpc.PROTOCOL, 0)) as endpoint:
+        rpc.probe(endpoint)  # the negative control: a worker that answers
     with pytest.raises(LlamaCppError, match=r"cannot be reached: Connection refused"):
         rpc.probe(f"127.0.0.1:{free_port()}")
     with fake_worker(answer=None) as endpoint, pytest.raises(LlamaCppError, match="did not answer within"):

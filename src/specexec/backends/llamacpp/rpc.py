@@ -232,11 +232,32 @@ def _round_trip_step(seconds: float) -> float:
 def placement(endpoints: tuple[str, ...], layers: int, split: tuple[float, ...] | None) -> Placement:
     """Where `layers` layers go on the workers at `endpoints`: in proportion to `split`, or by default to
     each worker's free memory (llama.cpp's default)."""
-    workers = [probe(endpoint) for endpoint in endpoints]
+    workers = [_probed(endpoint) for endpoint in endpoints]
     if split is not None and len(split) != len(workers):
         raise LlamaCppError(f"--split gives {len(split)} shares for {len(workers)} workers")
     shares = list(split) if split is not None else [float(w.free or 1) for w in workers]
     return Placement(workers, layer_blocks(layers, shares))
+
+
+_ANSWERED: dict[str, Worker] = {}  # the workers this process probed, by endpoint
+
+
+def _probed(endpoint: str) -> Worker:
+    """`probe(endpoint)`, or what it answered before while this process is connected to it still: a
+    worker serves one client at a time, and llama.cpp keeps its connection to a worker open while any
+    model on it lives, so a second model on the same workers (the bench's peers) cannot probe again."""
+    if endpoint in _ANSWERED and _connected(endpoint):
+        return _ANSWERED[endpoint]
+    _ANSWERED[endpoint] = probe(endpoint)
+    return _ANSWERED[endpoint]
+
+
+def _connected(endpoint: str) -> bool:
+    """Whether this process holds a connection to `endpoint`."""
+    connections = list(_connections((endpoint,)))
+    for sock in connections:
+        sock.close()
+    return bool(connections)
 
 
 def model_layers(gguf: Path) -> int:
