@@ -22,6 +22,8 @@ import argparse
 import json
 from pathlib import Path
 
+from projection import fixed_trees  # benchmarks/, beside this script
+
 MEASURED_PARAMS = 1.54e9  # Qwen2.5-Coder-1.5B
 MEASURED_THREADS = 2
 # name: parameters, hidden size, layers, Q4_K_M bytes
@@ -60,12 +62,7 @@ def main() -> None:
     parser.add_argument("--cores", default="8,16")
     args = parser.parse_args()
     compute = {int(k): v for k, v in json.loads(Path(args.passes).read_text()).items()}
-    rows = json.loads((Path(args.bench) / "results.json").read_text())
-    trees = {
-        row["budget"]: (row["tokens_per_step"], row["draft_seconds"] / row["target_calls"])
-        for row in rows
-        if row["method"] == "specexec" and isinstance(row["budget"], int)
-    }
+    trees = fixed_trees(Path(args.bench))
     print("PROJECTION (not measured): tok/s of plain decoding and specexec, the target split over machines")
     print(f"inputs: {args.passes}, {args.bench}; budgets {sorted(trees)}; links {LINKS}")
     print("| target | machines x cores | link | plain tok/s | specexec tok/s (budget) | speedup |")

@@ -33,18 +33,24 @@ def interpolate(curve: dict[int, float], k: int) -> float:
     return curve[lower] + (curve[upper] - curve[lower]) * (k - lower) / (upper - lower)
 
 
+def fixed_trees(bench: Path) -> dict[int, tuple[float, float]]:
+    """A bench run's `specexec@BUDGET` rows at fixed budgets: budget -> (tokens per target call, draft
+    seconds per target call)."""
+    rows = json.loads((bench / "results.json").read_text())
+    return {
+        row["budget"]: (row["tokens_per_step"], row["draft_seconds"] / row["target_calls"])
+        for row in rows
+        if row["method"] == "specexec" and isinstance(row["budget"], int)
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", required=True)
     parser.add_argument("--bench", required=True)
     args = parser.parse_args()
     compute = {int(k): v for k, v in json.loads(Path(args.passes).read_text())["in_ram_unrepacked"].items()}
-    rows = json.loads((Path(args.bench) / "results.json").read_text())
-    trees = {
-        row["budget"]: (row["tokens_per_step"], row["draft_seconds"] / row["target_calls"])
-        for row in rows
-        if row["method"] == "specexec" and isinstance(row["budget"], int)
-    }
+    trees = fixed_trees(Path(args.bench))
     print("PROJECTION (not measured): tok/s of plain decoding and of specexec, target streamed with --ram")
     print(f"inputs: {args.passes}, {args.bench}; budgets {sorted(trees)}")
     print("| target | RAM | disk | streamed per pass | plain tok/s | specexec tok/s (budget) | speedup |")
