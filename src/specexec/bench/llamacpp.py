@@ -337,6 +337,12 @@ def _llama_taking_params() -> type:
             self._given_model_params, self._eval_callback = model_params, eval_callback
             super().__init__(model_path, **arguments)
 
+        def close(self) -> None:
+            from specexec.backends.llamacpp import rpc
+
+            if not (self._given_model_params.devices and rpc.exiting()):  # see `rpc.exiting`
+                super().close()
+
         @property
         def model_params(self):
             given = self._given_model_params

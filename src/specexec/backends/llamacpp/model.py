@@ -34,6 +34,7 @@ import torch
 
 from specexec.backends.base import WeightsMemory
 from specexec.backends.gguf_files import shards, version
+from specexec.backends.llamacpp import rpc
 from specexec.backends.llamacpp.draft_gguf import derived_draft
 from specexec.backends.llamacpp.extra_buffers import library_build
 from specexec.backends.llamacpp.library import CPU, MAX_SEQUENCES, LlamaCppError, llama_cpp_library
@@ -206,6 +207,8 @@ class LlamaCppModel:
         return np.ascontiguousarray(rows, dtype=np.float32)
 
     def __del__(self) -> None:
+        if getattr(self, "workers", None) is not None and rpc.exiting():
+            return
         for _, ctx in getattr(self, "_spares", []):
             self._llama_cpp.llama_free(ctx)  # contexts before the model they were made from
         self._spares = []

@@ -15,6 +15,7 @@ memory here first (`probe`), so those are one-line errors, not a dead process.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ipaddress
@@ -300,6 +301,21 @@ def serve(host: str, port: int, threads: int) -> None:
     cpu = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     devices = (ctypes.c_void_p * 1)(cpu)
     rpc.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), None, threads, 1, devices)
+
+
+_EXITING = False
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting. Models on workers then leave their memory to the OS: a worker
+    may be gone by then (a test's, a stopped one), and freeing a buffer on it would wait forever."""
+    return _EXITING
+
+
+@atexit.register  # before the interpreter clears modules and finalizes what they held
+def _note_exit() -> None:
+    global _EXITING
+    _EXITING = True
 
 
 LOST_AFTER_MS = 10_000  # a worker that acknowledges nothing for this long is taken for gone

@@ -48,6 +48,7 @@ class RunnerModel(Protocol):
     kv_bytes_per_token: int
     stream: Streamer | None  # the streamer of weights read from disk every pass
     batch_invariant: bool  # a row's logits must not depend on the block it is decoded in
+    workers: rpc.Placement | None  # its layers on RPC workers
 
     vocab_size: int  # token ids it scores
     width: int  # n_embd: a reduced head's model takes embeddings this wide
@@ -85,6 +86,8 @@ class LlamaCppRunner(SlotRunner):
 
     def __del__(self) -> None:
         llama_cpp = getattr(self, "llama_cpp", None)
+        if getattr(self, "model", None) is not None and self.model.workers is not None and rpc.exiting():
+            return
         if llama_cpp is not None and getattr(self, "ctx", None):
             llama_cpp.llama_batch_free(self.batch)
             self.model.give_context(self.ctx, self.capacity, self.sequences)
