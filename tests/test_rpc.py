@@ -5,6 +5,7 @@ negative control."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
@@ -274,3 +275,52 @@ def test_a_worker_that_acknowledges_nothing_is_given_up_after_a_bound(ggufs, rpc
     for sock in connections:
         with sock:
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == rpc.LOST_AFTER_MS
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 1
+
+
+def test_a_server_whose_worker_dies_answers_503_and_serves_again_once_it_is_back(tmp_path: Path) -> None:
+    """`specexec serve --rpc`: the worker killed, the next request (whose first pass breaks the
+    connection) is a 503 within seconds, so are the requests after it and /health, and once the worker
+    is back the same server answers 200 again. Negative control: before the kill, the request is a 200."""
+    pytest.importorskip("fastapi", reason="the server needs specexec[server]")
+    import httpx
+    from server_helpers import wait_serving
+    from test_models import write_tiny_gguf
+
+    target = tmp_path / "tiny.gguf"
+    write_tiny_gguf(target)
+    port, server_port = free_port(), free_port()
+    worker = start_worker(port)
+    argv = ["serve", "--target", str(target), "--draft", str(target), "--backend", "llamacpp", "--threads",
+            "1", "--budget", "4", "--rpc", f"127.0.0.1:{port}", "--port", str(server_port)]  # fmt: skip
+    script = "import sys; from specexec.cli import main; sys.exit(main(sys.argv[1:]))"
+    server = subprocess.Popen(
+        [sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "SPECEXEC_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{server_port}"
+    request = {"model": "tiny", "prompt": "ab a", "max_tokens": 8}
+    try:
+        wait_serving(server, url, 180)
+        assert httpx.post(url + "/v1/completions", json=request, timeout=60).status_code == 200
+        stop(worker)
+        started = time.monotonic()
+        lost = httpx.post(url + "/v1/completions", json=request, timeout=60)
+        assert lost.status_code == 503 and time.monotonic() - started < 10, lost.text
+        assert lost.json()["error"]["code"] == "unavailable" and "Retry-After" in lost.headers
+        again = httpx.post(url + "/v1/completions", json=request, timeout=60)
+        assert again.status_code == 503 and "unavailable" in again.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        worker = start_worker(port)
+        deadline = time.monotonic() + 60
+        while (answer := httpx.post(url + "/v1/completions", json=request, timeout=60)).status_code == 503:
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.5)
+        assert answer.status_code == 200 and server.poll() is None
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+    finally:
+        server.terminate()
+        output = server.communicate(timeout=30)[0]
+        stop(worker)
+    assert "an RPC worker lost?" in output and "serving again" in output, output

@@ -852,7 +852,7 @@ def test_a_request_without_max_tokens_holds_kv_for_what_it_generates(tok):
             for _ in range(4):
                 next(events)
         wait_idle(engine)
-        held = engine.prefix_cache.nbytes  # the cancelled generation's target and draft KV
+        held = engine.pair.prefix_cache.nbytes  # the cancelled generation's target and draft KV
         too_long = {"model": MODEL, "prompt": "x", "max_tokens": 4096}
         assert_error_shape(http.post(C, json=too_long), 400, "context_length_exceeded")
     config = target.config
@@ -1214,9 +1214,9 @@ def test_auto_budget_calibrates_once_at_startup(pair, tok, tmp_path, monkeypatch
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
     # What the auto budget learnt is on disk, and a restarted server starts from it.
     (saved,) = (tmp_path / "learnt").glob("*.json")
-    learnt = app.state.engine.engine_options["learnt"]
+    learnt = app.state.engine.pair.options["learnt"]
     (policy,) = learnt._policies.values()
-    restarted = make_app(pair, tok, budget="auto").state.engine.engine_options["learnt"]
+    restarted = make_app(pair, tok, budget="auto").state.engine.pair.options["learnt"]
     assert restarted.path == saved and restarted is not learnt
     assert json.loads(saved.read_text())["policies"] == restarted._saved
     (state,) = restarted._saved.values()

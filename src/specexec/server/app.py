@@ -6,7 +6,6 @@ endpoints (routes.py), the response shapes (responses.py) and the generation que
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -19,11 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specexec.backends import as_model
-from specexec.engine import SETTINGS, sized_by_cost, stream
-from specexec.methods import METHODS, Budget
+from specexec.methods import Budget
 from specexec.server.limits import DEFAULT_MAX_TOKENS
 from specexec.server.metrics import Metrics
+from specexec.server.pair import ChildPair, LocalPair, check_engine_config
 from specexec.server.queue import GenerationQueue
 from specexec.server.requests import RequestSettings
 from specexec.server.routes import ClientGone, Service, docs_router, router, with_schema_defs
@@ -47,59 +45,67 @@ def create_app(
     *,
     method: str = "specexec",
     budget: int | str | None = None,
-    api_key: str | None = None,
-    max_queue: int = 16,
-    model_name: str = "specexec",
-    eos_token_id: list[int] | None = None,
-    max_body_bytes: int = MAX_BODY_BYTES,
     engine_options: Mapping[str, Any] | None = None,
-    max_model_len: int | None = None,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-    allowed_hosts: Sequence[str] | None = None,
-    body_timeout: float = BODY_TIMEOUT_SECONDS,
-    keepalive_seconds: float = KEEPALIVE_SECONDS,
-    health_interval: float = HEALTH_INTERVAL_SECONDS,
+    eos_token_id: list[int] | None = None,
+    **serving: Any,
 ) -> FastAPI:
-    """An ASGI app serving `target` (sped up by `draft`) through the OpenAI API.
+    """An ASGI app serving `target` (sped up by `draft`) through the OpenAI API, the pair in this process.
 
     `method` and `budget` are `specexec.stream`'s (budget None: the method's default; "auto": sized per
     step from this pair's calibration, measured here once if not cached, and from what the auto budget
     learnt, kept on disk after every request: `calibration.persisted_policies`); `engine_options` are
     further `stream` arguments, the same for every request (e.g. ``{"lookahead_schedule": "heuristic"}``).
-    One generation runs at a time; at most `max_queue` requests wait behind it, and the next one gets a
-    429. With `api_key`, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
-    `eos_token_id` defaults to every end-of-sequence id of the model and tokenizer.
-
-    Prompt plus completion are at most `max_model_len` tokens (default: the model's context window); a
-    request without max_tokens generates at most `default_max_tokens` (16 on /v1/completions, as
-    OpenAI). KV buffers grow with each generation instead of being sized for the window, and the last
-    generations' KV caches are kept, up to `prefix_cache_bytes`, for requests that begin with the same
-    tokens. With `allowed_hosts` (serve sets the loopback names on a loopback bind), a request whose
-    Host header names another host is refused (DNS rebinding). A body must arrive within
-    `body_timeout` seconds; a streamed request waiting for its first token gets an SSE comment every
-    `keepalive_seconds`; /health runs a one-token forward when none ran in the last `health_interval`
-    seconds.
+    The last generations' KV caches are kept, up to `prefix_cache_bytes`, for requests that begin with
+    the same tokens. `eos_token_id` defaults to every end-of-sequence id of the model and tokenizer.
+    `serving` are `app_for`'s options (api_key, max_queue, model_name, limits and timeouts).
     """
-    engine_options, budget = _check_engine_config(target, draft, method, budget, max_queue, engine_options)
-    settings = RequestSettings.for_model(as_model(target), model_name, max_model_len, default_max_tokens)
-    if eos_token_id is None:
-        from specexec.models import eos_token_ids
-
-        eos_token_id = eos_token_ids(target, tokenizer)
-    metrics = Metrics()
-    engine = GenerationQueue(
+    options, resolved = check_engine_config(method, budget, dict(engine_options or {}), draft is not None)
+    pair = LocalPair(
         target,
         draft,
         tokenizer,
         method=method,
-        budget=budget,
-        eos_token_id=eos_token_id,
-        max_queue=max_queue,
-        metrics=metrics,
-        engine_options=engine_options,
+        budget=resolved,
+        options=options,
         prefix_cache_bytes=prefix_cache_bytes,
+        eos_token_id=eos_token_id,
     )
+    return app_for(pair, tokenizer, method=method, budget=resolved, **serving)
+
+
+def app_for(
+    pair: LocalPair | ChildPair,
+    tokenizer,
+    *,
+    method: str,
+    budget: Budget,
+    api_key: str | None = None,
+    max_queue: int = 16,
+    model_name: str = "specexec",
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_model_len: int | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    allowed_hosts: Sequence[str] | None = None,
+    body_timeout: float = BODY_TIMEOUT_SECONDS,
+    keepalive_seconds: float = KEEPALIVE_SECONDS,
+    health_interval: float = HEALTH_INTERVAL_SECONDS,
+) -> FastAPI:
+    """An ASGI app serving `pair` (`create_app`'s, or a `ChildPair` for a target on RPC workers).
+
+    One generation runs at a time; at most `max_queue` requests wait behind it, and the next one gets a
+    429. With `api_key`, every endpoint but /health needs ``Authorization: Bearer <api_key>``. Prompt
+    plus completion are at most `max_model_len` tokens (default: the model's context window); a request
+    without max_tokens generates at most `default_max_tokens` (16 on /v1/completions, as OpenAI). KV
+    buffers grow with each generation instead of being sized for the window. With `allowed_hosts`
+    (serve sets the loopback names on a loopback bind), a request whose Host header names another host
+    is refused (DNS rebinding). A body must arrive within `body_timeout` seconds; a streamed request
+    waiting for its first token gets an SSE comment every `keepalive_seconds`; /health runs a one-token
+    forward when none ran in the last `health_interval` seconds.
+    """
+    settings = RequestSettings.for_model(pair.facts, model_name, max_model_len, default_max_tokens)
+    metrics = Metrics()
+    engine = GenerationQueue(pair, tokenizer, max_queue=max_queue, metrics=metrics)
     service = Service(
         settings=settings,
         engine=engine,
@@ -183,39 +189,6 @@ async def _internal_error(request: Request, err: Exception) -> JSONResponse:
         error_body("The server had an error while processing your request.", type="server_error"),
         status_code=500,
     )
-
-
-def _check_engine_config(target, draft, method, budget, max_queue, engine_options) -> tuple[dict, Budget]:
-    """Refuse a configuration that would fail every request, before serving anything; the engine's
-    options and the budget resolved once, for every request."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if METHODS[method].drafts and draft is None:
-        raise ValueError(f"method {method!r} needs a draft model")
-    if max_queue < 0:
-        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-    budget = METHODS[method].resolve_budget(budget)  # a BudgetError (a ValueError) says why it cannot
-    options = dict(engine_options or {})
-    allowed = (SETTINGS | set(inspect.signature(stream).parameters)) - _PER_REQUEST - {"settings"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"engine_options not accepted by specexec.stream: {', '.join(unknown)}")
-    if sized_by_cost(method, budget):
-        from specexec.calibration import cached_cost_model, persisted_policies
-
-        if options.get("cost_model") is None:
-            options["cost_model"] = cached_cost_model(target, draft)  # calibrates now if not cached
-        # Requests run one at a time: each starts from what the auto budget learnt on the ones before,
-        # and the first from what the last server (or `specexec generate`) of this pair learnt.
-        options.setdefault("learnt", persisted_policies(target, draft))
-    return options, budget
-
-
-# What the server sets itself for every request, so not an engine option.
-_PER_REQUEST = {
-    "target", "draft", "input_ids", "method", "budget", "max_new_tokens", "temperature", "top_p", "top_k",
-    "seed", "eos_token_id", "stop_strings", "tokenizer",
-}  # fmt: skip
 
 
 class _Instrument:

@@ -88,11 +88,11 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from specexec.server.app import LOOPBACK_HOSTS, create_app
+        from specexec.server.app import LOOPBACK_HOSTS, app_for
+        from specexec.server.pair import PairLost
     except ImportError as err:
         print(f"specexec: error: the server needs {err.name}: {_INSTALL_HINT}", file=sys.stderr)
         return EXIT_FAILURE
-    from specexec.models import eos_token_ids
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     log = logging.getLogger("specexec.server")
@@ -100,33 +100,22 @@ def serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     if args.api_key is None and not _is_loopback(args.host):
         log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    pair = load_pair(pair_spec(args, with_draft=args.method != "ar"))
-    options = {}
-    if getattr(args, "lookahead_schedule", None) is not None:
-        options["lookahead_schedule"] = args.lookahead_schedule
-    if getattr(args, "ngram", 0):
-        options["ngram"] = args.ngram
-    if getattr(args, "draft_ahead", False):
-        options["draft_ahead"] = True
     try:
-        app = create_app(
-            pair.target,
-            pair.draft,
-            pair.tokenizer,
+        pair, tokenizer, budget = _load(args)
+        app = app_for(
+            pair,
+            tokenizer,
             method=args.method,
-            budget=getattr(args, "budget", None),
+            budget=budget,
             api_key=args.api_key or None,
             max_queue=args.max_queue,
             model_name=args.model_name or _model_id(args.target),
-            eos_token_id=eos_token_ids(pair.target, pair.tokenizer),
-            engine_options=options,
             max_model_len=args.max_model_len,
             default_max_tokens=args.default_max_tokens,
-            prefix_cache_bytes=args.prefix_cache_mb << 20,
             # On a loopback bind, only loopback names: a web page's host that resolves here is refused.
             allowed_hosts=[*LOOPBACK_HOSTS, args.host] if _is_loopback(args.host) else None,
         )
-    except ValueError as err:
+    except (ValueError, PairLost) as err:
         print(f"specexec: error: {err}", file=sys.stderr)
         return EXIT_FAILURE
     host, port = sock.getsockname()[:2]
@@ -134,20 +123,49 @@ def serve(args: argparse.Namespace) -> int:
         "serving %s (%s, %s) on http://%s:%d/v1",
         app.state.model_name,
         args.method,
-        pair.backend_label,
+        pair.facts.backend_label,
         host,
         port,
     )
-    if pair.memory:
-        log.info("target %s", pair.memory)
-    if pair.placement:
-        log.info("%s", pair.placement)
+    if pair.facts.memory:
+        log.info("target %s", pair.facts.memory)
+    if pair.facts.placement:
+        log.info("%s", pair.facts.placement)
     # Connections beyond what the queue admits, plus room for /health and /metrics, get uvicorn's 503.
     config = uvicorn.Config(
         app, log_level=args.log_level, timeout_graceful_shutdown=5, limit_concurrency=2 * args.max_queue + 32
     )
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _load(args: argparse.Namespace):
+    """The pair to serve (loaded here, or in a child process for a target on RPC workers), the
+    tokenizer, and the budget resolved."""
+    from specexec.server.pair import ChildPair, LocalPair, check_engine_config
+
+    spec = pair_spec(args, with_draft=args.method != "ar")
+    options = {}
+    if getattr(args, "lookahead_schedule", None) is not None:
+        options["lookahead_schedule"] = args.lookahead_schedule
+    if getattr(args, "ngram", 0):
+        options["ngram"] = args.ngram
+    if getattr(args, "draft_ahead", False):
+        options["draft_ahead"] = True
+    options, budget = check_engine_config(
+        args.method, getattr(args, "budget", None), options, spec.draft is not None
+    )
+    config = dict(
+        method=args.method, budget=budget, options=options, prefix_cache_bytes=args.prefix_cache_mb << 20
+    )
+    if spec.load.rpc:
+        # ggml-rpc ends the process holding a model whose worker is lost: that process is a child the
+        # server starts again, so the server itself stays up and answers 503 meanwhile.
+        from specexec.models import load_tokenizer
+
+        return ChildPair(spec, **config), load_tokenizer(spec.target), budget
+    loaded = load_pair(spec)
+    return LocalPair.of(loaded, **config), loaded.tokenizer, budget
 
 
 def _model_id(source: str) -> str:

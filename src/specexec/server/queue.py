@@ -5,7 +5,8 @@ a request (before reading its body: a full queue answers 429 at once), then subm
 worker thread runs the jobs one after another and sends each step's text back to the event loop through
 the job's asyncio queue. `Job.cancel()` (a client went away) reaches the worker between two decoding
 steps or two prefill chunks: the worker stops the engine's generator and takes the next job at once. A
-job still waiting in the queue is simply removed. Generations share a prefix cache: a request that
+job still waiting in the queue is simply removed. The generations run on the pair (pair.py: in this
+process, or in a child process for a target on RPC workers), which keeps a prefix cache: a request that
 begins with the tokens of an earlier one (the next turn of a chat) prefills only the rest.
 """
 
@@ -20,12 +21,11 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from specexec.engine import GenerationError, Stats, probe, stream
-from specexec.methods import Budget
-from specexec.prefix_cache import PrefixCache
+from specexec.engine import GenerationError, Stats
 from specexec.server.metrics import Metrics
+from specexec.server.pair import ChildPair, LocalPair, PairLost, Params
 from specexec.text import TextStream
 
 log = logging.getLogger("specexec.server")
@@ -40,19 +40,6 @@ class QueueFull(Exception):
     def __init__(self, retry_after: int) -> None:
         super().__init__(f"the queue is full; retry after {retry_after} s")
         self.retry_after = retry_after
-
-
-@dataclass
-class Params:
-    """One validated request, in engine terms."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -145,39 +132,23 @@ class Admission:
 
 
 class GenerationQueue:
-    """Runs `specexec.stream` for one job at a time, in FIFO order, with at most `max_queue` waiting."""
+    """Runs the pair's generations one job at a time, in FIFO order, with at most `max_queue` waiting."""
 
     def __init__(
-        self,
-        target,
-        draft,
-        tokenizer,
-        *,
-        method: str,
-        budget: Budget,
-        eos_token_id: list[int] | None,
-        max_queue: int,
-        metrics: Metrics,
-        engine_options: dict | None = None,
-        prefix_cache_bytes: int = 0,
-        history: int = 256,
+        self, pair: LocalPair | ChildPair, tokenizer, *, max_queue: int, metrics: Metrics, history: int = 256
     ) -> None:
-        self.target = target
-        self.draft = draft
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.pair = pair
         # The worker decodes while request handlers encode in their own thread; Rust tokenizers refuse
         # concurrent use of one object ("Already borrowed"), so the worker has its own copy.
         try:
             self.tokenizer = copy.deepcopy(tokenizer)
         except Exception:  # pragma: no cover - a tokenizer that cannot be copied
             self.tokenizer = tokenizer
-        self.method = method
-        self.budget = budget
-        self.engine_options = dict(engine_options or {})
-        self.eos_token_id = eos_token_id
         self.max_queue = max_queue
         self.metrics = metrics
         self.history: deque[JobRecord] = deque(maxlen=history)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.last_forward = 0.0  # perf_counter() after the last forward that ran (step, chunk or probe)
         self.probe_seconds: float | None = None  # the last health probe's duration
         self._probe: Job | None = None
@@ -209,6 +180,7 @@ class GenerationQueue:
         return True
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the worker (the jobs waiting get ShuttingDown) and let the pair go."""
         with self._cond:
             self._stopping = True
             pending, self._pending = list(self._pending), deque()
@@ -221,6 +193,7 @@ class GenerationQueue:
         self.metrics.queue_depth.set(0)
         if self._thread is not None:
             self._thread.join(timeout)
+        self.pair.close()
 
     @property
     def alive(self) -> bool:
@@ -250,6 +223,8 @@ class GenerationQueue:
         or queued) behind a running one. Raises ShuttingDown once the queue has been stopped."""
         if not self.ensure_running():
             raise ShuttingDown()
+        if self.pair.unavailable is not None:
+            raise PairLost(self.pair.unavailable)
         with self._cond:
             waiting = len(self._pending) + self._admitted + (1 if self._running is not None else 0)
             if waiting > self.max_queue:
@@ -327,22 +302,7 @@ class GenerationQueue:
             self.last_forward = time.perf_counter()
             return job.cancelled
 
-        generator = stream(
-            self.target,
-            self.draft,
-            p.prompt_ids,
-            method=self.method,
-            budget=self.budget,
-            max_new_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=p.seed,
-            eos_token_id=self.eos_token_id,
-            prefix_cache=self.prefix_cache,
-            cancelled=cancelled,
-            **self.engine_options,
-        )
+        generator = self.pair.generate(p, cancelled)
         stats: Stats | None = None
         steps = 0
         finish = "cancelled"
@@ -362,18 +322,12 @@ class GenerationQueue:
                 if job.cancelled:
                     break
                 job._push(Update(delta, len(chunk.tokens)))
-        except GenerationError as err:
+        except (GenerationError, PairLost) as err:  # a bad request, or the pair's process lost (logged)
             job._push(Update(error=err))
             finish = "error"
         finally:
             generator.close()
-        learnt = self.engine_options.get("learnt")
-        if learnt is not None:
-            try:
-                learnt.save()  # a restarted server starts from what this one learnt
-            except OSError as err:  # an unwritable cache costs the next server its head start, no more
-                log.warning("could not save what the auto budget learnt: %s", err)
-        self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
+        self.metrics.prefix_cache_bytes.set(self.pair.finished())
         if finish == "cancelled" and self._stopping:
             job._push(Update(error=ShuttingDown()))
         if stats is not None:
@@ -389,9 +343,9 @@ class GenerationQueue:
         """A one-token forward of each model: proof that the engine computes, for /health."""
         start = time.perf_counter()
         try:
-            for model in (self.target, self.draft):
-                if model is not None:
-                    probe(model)
+            self.pair.probe()
+        except PairLost as err:  # logged when it was lost
+            update = Update(error=err)
         except Exception as err:  # reported by /health, not raised: the worker goes on
             log.exception("health probe failed")
             update = Update(error=err)

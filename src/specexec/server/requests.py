@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import jinja2
 
-from specexec.backends.base import Model
 from specexec.server.limits import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     GREEDY_BELOW,
     MAX_TOKENS_WITHOUT_WINDOW,
 )
-from specexec.server.queue import Params, random_seed
+from specexec.server.pair import PairFacts, Params
+from specexec.server.queue import random_seed
 from specexec.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -40,12 +40,12 @@ class RequestSettings:
     @classmethod
     def for_model(
         cls,
-        model: Model,
+        model: PairFacts,
         model_name: str,
         max_model_len: int | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
     ) -> RequestSettings:
-        """The settings for serving `model`; `max_model_len` None: its context window.
+        """The settings for serving the pair `model` tells of; `max_model_len` None: its context window.
 
         Raises ValueError for limits that no request could meet."""
         if max_model_len is not None and max_model_len < 2:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -13,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from specexec.engine import GenerationError
+from specexec.server.pair import RETRY_SECONDS, PairLost
 from specexec.server.queue import Job, ShuttingDown
 from specexec.server.schemas import APIError
 
@@ -147,4 +149,12 @@ def as_api_error(err: BaseException) -> APIError:
         return APIError(400, str(err), code="invalid_value")
     if isinstance(err, ShuttingDown):
         return APIError(503, "The server is shutting down.", type="server_error", code="unavailable")
+    if isinstance(err, PairLost):
+        return APIError(
+            503,
+            f"The model is unavailable: {err}. The server serves again once it is back; retry later.",
+            type="server_error",
+            code="unavailable",
+            headers={"Retry-After": str(math.ceil(RETRY_SECONDS))},  # when the next start is tried
+        )
     return APIError(500, "The server had an error while generating.", type="server_error")

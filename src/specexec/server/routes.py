@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specexec.methods import Budget
 from specexec.server.metrics import Metrics
+from specexec.server.pair import PairLost
 from specexec.server.queue import Admission, GenerationQueue, Job, QueueFull, ShuttingDown
 from specexec.server.requests import RequestSettings, check_model, check_request, prepare
 from specexec.server.responses import ResponseShape, SSEResponse, as_api_error, event_stream
@@ -135,6 +136,8 @@ async def _health_problem(engine: GenerationQueue, interval: float) -> str | Non
     """Why the engine is unhealthy, or None; probes it when nothing ran a forward in `interval` s."""
     if not engine.ensure_running():
         return "the server is shutting down"
+    if engine.pair.unavailable is not None:
+        return f"the model is unavailable: {engine.pair.unavailable}"
     if time.perf_counter() - engine.last_forward <= interval:
         return None
     stalled = engine.seconds_without_progress()
@@ -267,7 +270,7 @@ def _admit(engine: GenerationQueue) -> Admission:
             code="queue_full",
             headers={"Retry-After": str(full.retry_after)},
         ) from None
-    except ShuttingDown as err:
+    except (ShuttingDown, PairLost) as err:
         raise as_api_error(err) from None
 
 

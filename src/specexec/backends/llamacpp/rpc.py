@@ -200,10 +200,15 @@ class Placement:
     def watch(self) -> None:
         """Once the model is loaded: a worker that stops acknowledging what is sent to it for
         LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's connections to the
-        workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes."""
+        workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes.
+        Keep-alive probes every second while a pass waits for a worker's answer give the timeout
+        something to wait for even when this side has nothing left to send."""
         for sock in _connections(tuple(w.endpoint for w in self.workers)):
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LOST_AFTER_MS)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
 
     def record(self) -> dict:
         """What a benchmark's machine record says of the workers."""
