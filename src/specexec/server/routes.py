@@ -18,14 +18,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specexec.methods import Budget
 from specexec.server.metrics import Metrics
-from specexec.server.pair import PairLost
+from specexec.server.pair import STALL_SECONDS, PairLost
 from specexec.server.queue import Admission, GenerationQueue, Job, QueueFull, ShuttingDown
 from specexec.server.requests import RequestSettings, check_model, check_request, prepare
 from specexec.server.responses import ResponseShape, SSEResponse, as_api_error, event_stream
 from specexec.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 
 HEALTH_TIMEOUT_SECONDS = 60.0  # a probe not answered within this is a 503
-STALL_SECONDS = 300.0  # a generation without a forward for this long makes /health a 503
 
 
 @dataclass(frozen=True)
