@@ -478,6 +478,29 @@ def test_chain_pays_only_where_speculation_can_win() -> None:
     assert not chain_pays(0.3, 1 / 0.26, chain_seconds(STEEP, 32))
 
 
+def test_drafting_that_paid_well_does_not_talk_itself_out_of_drafting() -> None:
+    """`worth_drafting` asks whether a chain could beat plain decoding. Asked against the achieved rate λ
+    instead, a generation whose drafting had paid more than the next chain promises stopped drafting for
+    good (a step that does not draft learns nothing, so λ stayed). Costs: the packaged pair's target on
+    two RPC workers 20 ms away, calibrated (docs/cluster.md)."""
+    from specexec.budget.costs import chain_seconds
+    from specexec.budget.policy import chain_pays
+
+    rpc = CostModel(
+        {1: 0.119, 2: 0.181, 4: 0.258, 6: 0.303, 8: 0.448, 16: 0.502}, {1: 0.023, 8: 0.1, 16: 0.139}
+    )
+    times = chain_seconds(rpc, 32)
+    assert chain_pays(0.95, 1 / 0.119, times)  # a chain beats plain decoding here
+    assert not chain_pays(0.95, 14.0, times)  # the control: valued at a λ of 14 tok/s, it "does not"
+    for policy in (AutoBudget(rpc), ChainCostStop(rpc, max_length=32)):
+        policy.acceptance.observe(
+            torch.full((200,), 0.95), torch.rand(200, generator=torch.Generator().manual_seed(0)) < 0.95
+        )
+        achieving(policy, 14.0)
+        assert policy.gate.rate > 1.5 * policy.gate.plain_rate
+        assert policy.worth_drafting() and policy.drafts_now(), type(policy).__name__
+
+
 @contextlib.contextmanager
 def forward_sizes(model) -> Iterator[list[int]]:
     """The tokens of each forward of `model` while the block runs, in order."""
