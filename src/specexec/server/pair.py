@@ -18,7 +18,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from specexec.engine import SETTINGS, Chunk, GenerationError, probe, sized_by_cost, stream
@@ -134,8 +134,9 @@ class LocalPair:
     def of(cls, loaded: LoadedPair, **config: Any) -> LocalPair:
         """The pair `load_pair` loaded, its facts telling where its weights are; `config` as `__init__`."""
         pair = cls(loaded.target, loaded.draft, loaded.tokenizer, **config)
-        facts = (pair.facts.context_window, pair.facts.vocab_size, pair.facts.eos_token_id)
-        pair.facts = PairFacts(*facts, loaded.backend_label, loaded.memory, loaded.placement)
+        pair.facts = replace(
+            pair.facts, backend_label=loaded.backend_label, memory=loaded.memory, placement=loaded.placement
+        )
         return pair
 
     def generate(self, p: Params, cancelled: Callable[[], bool]) -> Iterator[Chunk]:
