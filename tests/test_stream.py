@@ -570,6 +570,39 @@ def test_a_generation_parked_in_the_prefix_cache_gives_its_read_ahead_window_bac
     assert again.tokens == first.tokens and again.stats.cached_tokens == len(PROMPT) - 1
 
 
+@pytest.mark.parametrize("reads", ["cached"], indirect=True)
+def test_reads_still_queued_when_a_runner_idles_are_dropped_once_they_land(
+    gguf: Path, reads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel reads what `posix_fadvise(WILLNEED)` queued after the call returns, and keeps a page
+    still being read when told to drop it. Here queued reads land 0.2 s late (waiting for a mapping waits
+    for them, as the kernel's does): idling must wait for them, or their pages stay after it."""
+    queued: list[threading.Timer] = []
+
+    def late(fd: int, start: int, end: int) -> None:
+        advice = (fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        queued.append(threading.Timer(0.2, os.posix_fadvise, advice))
+        queued[-1].start()
+
+    def waited(base: int, start: int, end: int) -> None:
+        for timer in list(queued):
+            timer.join()
+        map_read(base, start, end)
+
+    map_read = reader.map_read
+    monkeypatch.setattr(reader, "request_reads", late)
+    monkeypatch.setattr(reader, "map_read", waited)
+    model = streamed_model(gguf, reads, threads=2, ram=half(gguf))
+    slack = 2 * PAGE * len(model.stream.plan.units)  # pages shared with a resident neighbour
+    runner = model.make_runner(64)
+    runner.extend(torch.tensor(PROMPT))
+    runner.idle()
+    for timer in list(queued):
+        timer.join()
+    time.sleep(0.2)  # the last queued read, now in the real kernel's hands
+    assert len(queued) > 1 and model.stream.residency()[1] <= slack
+
+
 def test_ram_errors_are_one_line(tokenized_gguf: Path, capsys) -> None:
     from specexec.cli import main
 

@@ -65,6 +65,10 @@ class Reads(Protocol):
     def restart(self, done: int) -> None:
         """Locked: nothing read ahead; the next read is unit `done`."""
 
+    def wait_queued(self) -> None:
+        """The reader is paused: wait for reads queued and not yet mapped in to land, so that dropping
+        their units drops them."""
+
     def empty(self) -> None:
         """Nothing read ahead: give back what holds no unit."""
 
@@ -86,6 +90,7 @@ class PageCacheReads:
         self.files = files
         self.streamed = streamed
         self._requested = -1  # the last unit whose reads are queued
+        self._queued: set[int] = set()  # units whose reads are queued, not yet mapped in
 
     def blocked(self, g: int) -> bool:
         return False
@@ -102,9 +107,14 @@ class PageCacheReads:
             for span in self.streamed[queued % n].spans:
                 _, fd, start, end = self.files.local(*span)
                 request_reads(fd, start, end)
-        for span in self.streamed[g % n].spans:
+            self._queued.add(queued)
+        self._map_in(g)
+
+    def _map_in(self, g: int) -> None:
+        for span in self.streamed[g % len(self.streamed)].spans:
             base, _, start, end = self.files.local(*span)
             map_read(base, start, end)
+        self._queued.discard(g)
 
     def record(self, g: int, outcome: None, late: bool) -> None:
         pass
@@ -120,6 +130,12 @@ class PageCacheReads:
 
     def restart(self, done: int) -> None:
         self._requested = done - 1
+
+    def wait_queued(self) -> None:
+        # The page cache keeps a page still being read when told to drop it: the kernel reads the queued
+        # pages whatever we do, so wait for them (no more disk reads) and let the drop that follows work.
+        for g in sorted(self._queued):
+            self._map_in(g)
 
     def empty(self) -> None:
         pass
@@ -219,6 +235,9 @@ class DirectReads:
 
     def restart(self, done: int) -> None:
         self._mapped = done
+
+    def wait_queued(self) -> None:
+        pass  # the reader reads a unit whole before it maps it in: nothing is left in flight
 
     def empty(self) -> None:
         if not self._pieces:
@@ -331,6 +350,7 @@ class Reader:
             self._cond.wait_for(lambda: self._reading is None or self._closed)
             self._read = self._done
             self.reads.restart(self._done)
+        self.reads.wait_queued()
         for g in self.reads.held():
             self.finish(g)
         for unit in self.streamed:
