@@ -574,6 +574,20 @@ def test_a_tree_padded_to_a_cheaper_batch_still_grows_deeper() -> None:
     assert policy.frontier_size(children, children, 0.036, child_accept=0.02) == 0
 
 
+def test_a_tree_grows_through_a_jump_in_the_targets_cost_to_the_flat_after_it() -> None:
+    """Over RPC workers at 10 ms (the real pair on 2 cores), verifying 8 tokens cost 3.4x one token and 16
+    cost about what 8 did. One more node past 6 loses, ten more win: judging only the next pass stopped
+    every tree at about 5 nodes, where `dsl`'s chains, which look further, reached 20."""
+    cost = CostModel({1: 0.1, 6: 0.25, 8: 0.4, 32: 0.42}, {1: 0.02, 2: 0.035})
+    policy = AutoBudget(cost)
+    chain = torch.tensor(0.95) ** torch.arange(1, 6)  # a chain of 5 nodes, each 95% sure
+    assert policy.best_size(chain, 0.1)[0] == 5
+    assert policy.frontier_size(chain, chain[-1:], 0.1, child_accept=0.95) == 1
+    # The control: where every token costs as much as the first, the chain stops.
+    linear = AutoBudget(CostModel({1: 0.1, 32: 3.2}, cost.draft))
+    assert linear.frontier_size(chain, chain[-1:], 0.1, child_accept=0.95) == 0
+
+
 def test_a_draft_that_batches_dearly_catches_up_on_the_latest_tokens_only() -> None:
     """This CPU's measured curves (default pair, llama.cpp, 2 threads): reading 8 missed tokens costs the
     draft 1.4 target passes, so a probe after a pause reads the last 4. Where the draft batches cheaply

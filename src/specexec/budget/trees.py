@@ -76,30 +76,45 @@ class AutoBudget(DraftingPolicy):
         """How many of the `frontier` nodes (their P, best first; each one's best child accepted with
         probability about `child_accept` after it) the next draft pass should expand to raise the value
         of the best tree from the `ranked` node P most; 0 when no count raises it. The draft's cost per
-        pass decides between narrow and wide passes.
-
-        Each count is judged by the best tree it makes possible, which may leave out nodes the best tree
-        now has: where a larger batch costs less (llama.cpp's grouped kernels: 4 tokens below 3), the best
-        tree is padded with unlikely siblings that a deeper node should replace, not join.
+        pass decides between narrow and wide passes. Each count is judged by the best tree it makes
+        possible (`_best_values`); where none pays, a chain drafted on below the likeliest node may
+        (then 1).
         """
         _, value = self.best_size(ranked, draft_seconds)
         count = len(frontier)
         children = frontier * child_accept  # (F,) each expanded node's best child, best first
-        # Row c - 1: the current nodes and the children of the first c frontier nodes (-1: not drafted).
-        grown = torch.where(
-            torch.arange(count) < torch.arange(1, count + 1)[:, None], children, -1.0
-        )  # (F, F)
-        nodes = torch.cat([ranked.expand(count, -1), grown], dim=1)  # (F, n + F)
-        nodes = nodes.sort(dim=1, descending=True).values[:, : self.max_budget]
-        gains = torch.cat([torch.ones(count, 1), 1 + nodes.clamp(min=0).cumsum(1)], dim=1)  # (F, b + 1)
-        sizes = gains.shape[1]
-        drafting = self.cost.exposed(draft_seconds + self.draft_table[:count, None])  # (F, 1)
-        seconds = drafting + self.target_table[None, :sizes]
-        values = gains - self.gate.floor_rate * seconds  # (F, b + 1)
-        drafted = torch.arange(sizes) <= len(ranked) + torch.arange(1, count + 1)[:, None]
-        best = values.masked_fill(~drafted, float("-inf")).amax(dim=1)  # (F,)
+        # Row c - 1: the children of the first c frontier nodes (-1: not drafted).
+        widths = torch.arange(1, count + 1)
+        grown = torch.where(torch.arange(count) < widths[:, None], children, -1.0)  # (F, F)
+        best = self._best_values(ranked, grown, draft_seconds + self.draft_table[:count, None])  # (F,)
         c = int(best.argmax())
-        return c + 1 if float(best[c]) > value else 0
+        if float(best[c]) > value:
+            return c + 1
+        # No pass pays at once; a chain down from the likeliest node may still pay a few passes on, as in
+        # `ChainCostStop`: where the target's cost jumps and is flat after (llama.cpp's kernels past a
+        # batch size, a network's round trips), one node more loses and ten more win. Its nodes are
+        # assumed as likely after their parent as a best child now is.
+        depths = torch.arange(1, CHAIN_CHECK + 1)
+        chain = frontier[0] * child_accept**depths  # (H,)
+        grown = torch.where(depths <= depths[:, None], chain, -1.0)  # (H, H) row h - 1: h nodes deep
+        drafting = draft_seconds + depths[:, None] * self.draft_table[0]  # (H, 1) one node a pass
+        return 1 if float(self._best_values(ranked, grown, drafting).max()) > value else 0
+
+    def _best_values(self, ranked: torch.Tensor, grown: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+        """For each row of `grown` (the P of the nodes more draft passes would add, -1 past them) and of
+        `drafting` (the draft's seconds with them, (R, 1)): the value of the best tree of the `ranked`
+        nodes and those, (R,). The best tree may leave out nodes the best tree now has: where a larger
+        batch costs less (llama.cpp's grouped kernels: 4 tokens below 3), the best tree is padded with
+        unlikely siblings that a deeper node should replace, not join."""
+        rows = len(grown)
+        nodes = torch.cat([ranked.expand(rows, -1), grown], dim=1)  # (R, n + G)
+        nodes = nodes.sort(dim=1, descending=True).values[:, : self.max_budget]
+        gains = torch.cat([torch.ones(rows, 1), 1 + nodes.clamp(min=0).cumsum(1)], dim=1)  # (R, b + 1)
+        sizes = gains.shape[1]
+        seconds = self.cost.exposed(drafting) + self.target_table[None, :sizes]
+        values = gains - self.gate.floor_rate * seconds  # (R, b + 1)
+        drafted = torch.arange(sizes) <= len(ranked) + (grown >= 0).sum(dim=1, keepdim=True)
+        return values.masked_fill(~drafted, float("-inf")).amax(dim=1)
 
     def observe(self, tree: DraftTree, path: Sequence[int], drafted: int) -> None:
         """Label the verified draft nodes (among the first `drafted`): every child of the root and of an
