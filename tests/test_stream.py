@@ -385,6 +385,74 @@ def test_between_passes_the_reader_fills_the_window_with_the_next_passs_first_un
         assert sum(held.values()) <= streamer.plan.window_bytes + slack, (t, held)
 
 
+class OneUnitReads:
+    """Reads (`reader.Reads`) into room for one unit, as a full ring: the next unit waits until compute
+    lets go of the last. A read takes 0.1 s; letting go takes 0.05 s, time for the reader to look."""
+
+    kind = "one unit"
+    failed = None
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond = cond
+        self.holding: int | None = None
+        self.read_in: list[int] = []
+
+    def blocked(self, g: int) -> bool:
+        return self.holding is not None
+
+    def claim(self, g: int, last: int) -> None:
+        self.holding = g
+
+    def read(self, g: int, claim: None) -> None:
+        time.sleep(0.1)
+
+    def record(self, g: int, outcome: None, late: bool) -> None:
+        self.read_in.append(g)
+
+    def ready(self, g: int) -> bool:
+        return g in self.read_in
+
+    def let_go(self, g: int) -> bool:
+        time.sleep(0.05)
+        with self._cond:
+            self.holding = None
+            self._cond.notify_all()
+        return True
+
+    def held(self) -> list[int]:
+        return []
+
+    def restart(self, done: int) -> None: ...
+
+    def wait_queued(self) -> None: ...
+
+    def empty(self) -> None: ...
+
+    def in_ram(self, in_page_cache) -> int:
+        return 0
+
+    def close(self) -> None: ...
+
+
+def test_settling_waits_for_reads_that_room_given_back_by_compute_allows(monkeypatch) -> None:
+    """`settle` returns once the reader has read what it may: after compute lets go of a unit, that
+    includes the unit its room lets in, though the reader last looked while the room was still taken."""
+    made: list[OneUnitReads] = []
+    monkeypatch.setattr(reader, "open_reads", lambda *args: made.append(OneUnitReads(args[-1])) or made[-1])
+    units = [stream.Unit(f"blk.{i}", ((i * PAGE, (i + 1) * PAGE),), i) for i in range(3)]
+    files = type("Files", (), {"drop": lambda self, start, end: None})()
+    ahead = reader.Reader(files, units)
+    try:
+        ahead.resume()
+        ahead.settle()
+        assert made[0].read_in == [0]
+        ahead.advance(1)  # compute is done with unit 0: its room takes unit 1
+        ahead.settle()
+        assert made[0].read_in == [0, 1]
+    finally:
+        ahead.close()
+
+
 @pytest.mark.parametrize("files", ["one file", "split"])
 def test_plain_llamacpp_short_of_memory_reads_the_whole_file_every_pass(
     gguf: Path, split_gguf: Path, files: str

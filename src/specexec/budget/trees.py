@@ -10,7 +10,7 @@ from specexec.budget.costs import CostModel
 from specexec.budget.policy import DraftingPolicy
 from specexec.tree import DraftTree
 
-CHAIN_CHECK = 32  # the longest chain `AutoBudget.worth_drafting` considers
+CHAIN_CHECK = 32  # the longest chain `worth_drafting` and the look past the next draft pass consider
 
 
 class AutoBudget(DraftingPolicy):
@@ -25,7 +25,8 @@ class AutoBudget(DraftingPolicy):
     already fast step's ratio. So each step maximises the value E(b) - λ T(b), λ being the achieved rate
     floored at plain decoding's (`SpeculationGate.floor_rate`; Dinkelbach's method for ratio objectives).
     A draft pass continues while expanding some number of the best unexpanded nodes (chosen too) raises
-    the best value; the verified tree is the b that maximises it.
+    the best value, or a chain drafted on below the likeliest of them would within CHAIN_CHECK passes;
+    the verified tree is the b that maximises it.
     """
 
     def __init__(self, cost: CostModel, max_budget: int = 1024) -> None:

@@ -303,7 +303,6 @@ class Reader:
         self._drop_after_read = False  # compute finished it meanwhile: the reader drops it
         self._closed = False
         self._paused = True  # read nothing ahead until the first pass begins, or after `release`
-        self._idle = False  # the reader has read as far ahead as it may
         self._thread = threading.Thread(target=self._work, name="specexec-stream", daemon=True)
         self._thread.start()
 
@@ -315,7 +314,7 @@ class Reader:
         """A pass begins: read ahead again after `release`."""
         with self._cond:
             if self._paused:
-                self._paused, self._idle = False, False
+                self._paused = False
                 self._cond.notify_all()
 
     def wait_ready(self, g: int) -> None:
@@ -331,7 +330,6 @@ class Reader:
             if self._reading in finished:
                 self._drop_after_read = True
             finished = [g for g in finished if g != self._reading]
-            self._idle = False
             self._cond.notify_all()
         for g in finished:
             self.finish(g)
@@ -360,7 +358,8 @@ class Reader:
     def settle(self) -> None:
         """Wait until the reader has read as far ahead as it may (for measurements)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._idle or self._closed)
+            # Judged afresh, not by the reader's last look: a unit let go of since may have freed room.
+            self._cond.wait_for(lambda: self._closed or (self._reading is None and self._waiting()))
 
     def in_ram(self) -> int:
         """Bytes of the streamed units in RAM."""
@@ -389,7 +388,8 @@ class Reader:
         return held <= self._window
 
     def _waiting(self) -> bool:
-        return self._paused or not self._fits(self._read) or self.reads.blocked(self._read)
+        g = max(self._read, self._done)
+        return self._paused or not self._fits(g) or self.reads.blocked(g)
 
     def _work(self) -> None:
         while True:
@@ -397,8 +397,6 @@ class Reader:
                 # A unit compute got to first is not worth reading now; the next pass reads it.
                 self._read = max(self._read, self._done)
                 while not self._closed and self._waiting():
-                    self._idle = True
-                    self._cond.notify_all()
                     self._cond.wait()
                     self._read = max(self._read, self._done)
                 if self._closed:
@@ -409,11 +407,16 @@ class Reader:
                 claim = self.reads.claim(g, last)
             outcome = self.reads.read(g, claim)
             with self._cond:
-                late, self._drop_after_read, self._reading = self._drop_after_read, False, None
+                late, self._drop_after_read = self._drop_after_read, False
                 self.reads.record(g, outcome, late)
+                if not late:
+                    self._reading = None
                 self._cond.notify_all()
-            if late:  # compute finished it from the file meanwhile
+            if late:  # compute finished it from the file meanwhile; reading until it is dropped
                 self.finish(g)
+                with self._cond:
+                    self._reading = None
+                    self._cond.notify_all()
 
     def _drop_unit(self, unit: Unit) -> None:
         for span in unit.spans:
