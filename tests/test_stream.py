@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -440,7 +441,7 @@ def test_settling_waits_for_reads_that_room_given_back_by_compute_allows(monkeyp
     made: list[OneUnitReads] = []
     monkeypatch.setattr(reader, "open_reads", lambda *args: made.append(OneUnitReads(args[-1])) or made[-1])
     units = [stream.Unit(f"blk.{i}", ((i * PAGE, (i + 1) * PAGE),), i) for i in range(3)]
-    files = type("Files", (), {"drop": lambda self, start, end: None})()
+    files = types.SimpleNamespace(drop=lambda start, end: None)
     ahead = reader.Reader(files, units)
     try:
         ahead.resume()

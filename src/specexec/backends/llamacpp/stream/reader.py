@@ -387,22 +387,24 @@ class Reader:
         held = sum(self._page_bytes[u % n] for u in range(self._done, g + 1))
         return held <= self._window
 
+    def _next(self) -> int:
+        """The unit to read next: a unit compute got to first is not worth reading now (the next pass
+        reads it)."""
+        return max(self._read, self._done)
+
     def _waiting(self) -> bool:
-        g = max(self._read, self._done)
+        g = self._next()
         return self._paused or not self._fits(g) or self.reads.blocked(g)
 
     def _work(self) -> None:
         while True:
             with self._cond:
-                # A unit compute got to first is not worth reading now; the next pass reads it.
-                self._read = max(self._read, self._done)
                 while not self._closed and self._waiting():
                     self._cond.wait()
-                    self._read = max(self._read, self._done)
                 if self._closed:
                     return
-                g = self._reading = self._read
-                self._read += 1
+                g = self._reading = self._next()
+                self._read = g + 1
                 last = self._read if self._fits(self._read) and not self._paused else g
                 claim = self.reads.claim(g, last)
             outcome = self.reads.read(g, claim)
