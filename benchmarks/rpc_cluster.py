@@ -1,6 +1,7 @@
 """An emulated cluster on loopback for `specexec bench --rpc`: N `specexec worker`s, each behind a TCP
 proxy that delays every byte by a one-way delay and paces it to a bandwidth, in each direction; runs one
-bench over them and tears everything down.
+bench over them and tears everything down. A bench run with --batch-invariant gets workers started with
+it.
 
 An emulation, not a network: the kernel here has no netem, so the delay and the bandwidth are applied in
 user space, per connection and direction (a chunk leaves when the link is free, takes size / rate on
@@ -113,16 +114,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def cluster(workers: int, threads: int, delay: float, rate: float) -> Iterator[str]:
-    """`workers` workers behind delay proxies; yields the --rpc value that reaches them."""
+def cluster(
+    workers: int, threads: int, delay: float, rate: float, options: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """`workers` workers (`specexec worker` with `options`) behind delay proxies; yields the --rpc value
+    that reaches them."""
     ports = [free_port() for _ in range(workers)]
-    started = [
-        subprocess.Popen(
-            [sys.executable, "-m", "specexec.cli", "worker", "--port", str(port), "--threads", str(threads)],
-            stdout=subprocess.DEVNULL,
-        )
-        for port in ports
-    ]
+    worker = [sys.executable, "-m", "specexec.cli", "worker", "--threads", str(threads), *options]
+    started = [subprocess.Popen([*worker, "--port", str(port)], stdout=subprocess.DEVNULL) for port in ports]
     proxies: list[DelayProxy] = []
     try:
         for port in ports:
@@ -154,7 +153,9 @@ def main() -> int:
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then `specexec bench`'s arguments")
     args = parser.parse_args()
     bench = [a for a in args.bench if a != "--"]
-    with cluster(args.workers, args.worker_threads, args.delay_ms / 1e3, args.mbit * 1e6 / 8) as endpoints:
+    options = ("--batch-invariant",) if "--batch-invariant" in bench else ()  # the bench checks the workers
+    link = (args.delay_ms / 1e3, args.mbit * 1e6 / 8)
+    with cluster(args.workers, args.worker_threads, *link, options) as endpoints:
         link = f"{args.delay_ms:g} ms one-way, {args.mbit:g} Mbit/s"
         print(
             f"rpc_cluster: {args.workers} workers behind {link}: --rpc {endpoints}",

@@ -17,11 +17,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_worker(port: int) -> subprocess.Popen:
-    """`specexec worker` on 127.0.0.1:`port`, once it answers."""
+def start_worker(port: int, *options: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`specexec worker` on 127.0.0.1:`port` with `options`, once it answers; `env` its environment
+    (default: this process's)."""
     worker = subprocess.Popen(
-        [sys.executable, "-m", "specexec.cli", "worker", "--port", str(port), "--threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "specexec.cli", "worker", "--port", str(port), "--threads", "1", *options],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while True:

@@ -37,17 +37,17 @@ METHODS = [
 
 
 @functools.cache
-def k_quant_gguf(folder: str, noise: float, layers: int = 2) -> Path:
+def k_quant_gguf(folder: str, noise: float, layers: int = 2, ffn: int = 512) -> Path:
     """A tiny qwen2 GGUF in Q4_K_M (Q4_K and Q6_K tensors), quantized by llama.cpp from float32."""
     source = write_random_gguf(
-        Path(folder) / f"f32-{noise}-{layers}.gguf", "qwen2", "f32", noise=noise, vocab=512, hidden=256,
-        ffn=512, layers=layers,
+        Path(folder) / f"f32-{noise}-{layers}-{ffn}.gguf", "qwen2", "f32", noise=noise, vocab=512, hidden=256,
+        ffn=ffn, layers=layers,
     )  # fmt: skip
     llama_cpp = llama_cpp_library()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FTYPE_MOSTLY_Q4_K_M
     params.nthread = 1
-    dest = Path(folder) / f"q4_k_m-{noise}-{layers}.gguf"
+    dest = Path(folder) / f"q4_k_m-{noise}-{layers}-{ffn}.gguf"
     assert llama_cpp.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params)) == 0
     return dest
 

@@ -12,15 +12,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from rpc_workers import free_port, start_worker, stop
-from test_batch_invariant import FLAT, PROMPT, k_quant_gguf
+from test_batch_invariant import FLAT, PROMPT, differing_blocks, k_quant_gguf
+from test_batch_invariant import METHODS as BATCH_INVARIANT_METHODS
 
 import specexec
-from specexec.backends.llamacpp import rpc, weights
+from specexec.backends.llamacpp import library, rpc, weights
+from specexec.backends.llamacpp import model as model_module
 from specexec.backends.llamacpp.library import LlamaCppError
 from specexec.backends.llamacpp.model import LlamaCppModel
 from specexec.backends.llamacpp.runner import LlamaCppRunner
@@ -32,6 +35,14 @@ NEW = 32
 def ggufs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = str(tmp_path_factory.mktemp("rpc"))
     return k_quant_gguf(folder, 0.0, layers=4), k_quant_gguf(folder, 0.05, layers=4)
+
+
+@pytest.fixture(scope="module")
+def wide_ggufs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A target and draft whose feed-forward rows span 8 K-quant blocks: ggml's tiled matmul then sums a
+    row of a block in another order than one row alone (at 2, the orders agree)."""
+    folder = str(tmp_path_factory.mktemp("rpc-wide"))
+    return k_quant_gguf(folder, 0.0, ffn=2048), k_quant_gguf(folder, 0.05, ffn=2048)
 
 
 @pytest.fixture
@@ -102,6 +113,61 @@ def test_every_method_gives_ars_greedy_tokens_over_rpc(ggufs, rpc_workers) -> No
         dict(method="specexec", budget=32),
         dict(method="specexec", budget="auto", cost_model=FLAT),
     ):
+        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args)
+        assert out.tokens == reference, args
+
+
+@pytest.fixture
+def default_kernel_workers() -> Iterator[Callable[..., tuple[str, ...]]]:
+    """Two workers started with the given `specexec worker` options and ggml's kernels as a user's are:
+    the tiled matmul on (this process turns it off for --batch-invariant, conftest)."""
+    env = {name: value for name, value in os.environ.items() if name != library.TILED_MATMUL_SWITCH}
+    started = []
+
+    def start(*options: str) -> tuple[str, ...]:
+        ports = [free_port() for _ in range(2)]
+        started.extend(start_worker(port, *options, env=env) for port in ports)
+        return tuple(f"127.0.0.1:{port}" for port in ports)
+
+    yield start
+    for worker in started:
+        stop(worker)
+
+
+def test_batch_invariant_workers_compute_a_row_of_a_block_as_the_row_alone(
+    wide_ggufs, default_kernel_workers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workers = default_kernel_workers("--batch-invariant")
+    model = LlamaCppModel(wide_ggufs[0], threads=1, rpc=workers, batch_invariant=True)
+    for prefix in (8, 600):
+        assert differing_blocks(model, prefix) == [], prefix
+    # The negative control: the default workers' rows differ, in every block the tiled matmul takes.
+    monkeypatch.setattr(model_module, "_rows_as_alone", lambda model: True)
+    model = LlamaCppModel(wide_ggufs[0], threads=1, rpc=default_kernel_workers(), batch_invariant=True)
+    assert differing_blocks(model, 8) == [8, 16, 64, 130]
+
+
+def test_batch_invariant_over_rpc_needs_batch_invariant_workers(wide_ggufs, default_kernel_workers) -> None:
+    """The check at load: workers with the tiled matmul on are a one-line error."""
+    workers = default_kernel_workers()
+    with pytest.raises(LlamaCppError) as error:
+        LlamaCppModel(wide_ggufs[0], threads=1, rpc=workers, batch_invariant=True)
+    assert str(error.value) == (
+        "--batch-invariant: the RPC workers compute a row of a block other than the row alone (ggml's tiled "
+        "matmul is on there): start each with `specexec worker --batch-invariant`"
+    )
+    LlamaCppModel(wide_ggufs[0], threads=1, rpc=workers)  # without the mode, the same workers serve
+
+
+def test_batch_invariant_over_rpc_gives_every_methods_greedy_tokens_as_ar(
+    wide_ggufs, default_kernel_workers
+) -> None:
+    workers = default_kernel_workers("--batch-invariant")
+    target = LlamaCppModel(wide_ggufs[0], threads=1, rpc=workers, batch_invariant=True)
+    draft = LlamaCppModel(wide_ggufs[1], threads=1)
+    reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=NEW).tokens
+    assert len(set(reference)) >= 6  # test design: not one repeated token
+    for args in BATCH_INVARIANT_METHODS:
         out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args)
         assert out.tokens == reference, args
 
@@ -187,8 +253,6 @@ def test_rpc_is_refused_with_ram_and_split_needs_it(ggufs, rpc_workers) -> None:
         LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, ram=1 << 20)
     with pytest.raises(LlamaCppError, match="--split gives the shares of RPC workers: it needs --rpc"):
         LlamaCppModel(ggufs[0], threads=1, split=(1.0, 1.0))
-    with pytest.raises(LlamaCppError, match="--batch-invariant cannot choose the kernels of RPC workers"):
-        LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, batch_invariant=True)
     with pytest.raises(LlamaCppError, match="--split gives 3 shares for 2 workers"):
         LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, split=(1.0, 1.0, 1.0))
     LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers, split=(1.0, 1.0))  # the control: all well given

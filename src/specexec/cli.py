@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--threads", type=positive_int, default=None, help="compute threads (default: PyTorch's, the cores)"
     )
+    worker.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="compute a row of a block bit for bit as the row alone (ggml's tiled matmul off), for clients "
+        "run with --batch-invariant",
+    )
 
     from specexec.bench.cli import add_bench_parser
 
@@ -233,7 +239,10 @@ def _worker(args: argparse.Namespace) -> int:
 
     from specexec.backends.base import BackendError
     from specexec.backends.llamacpp import rpc
+    from specexec.backends.llamacpp.library import batch_invariant_kernels
 
+    if args.batch_invariant:
+        batch_invariant_kernels()  # before the server's first matmul, which reads the switch
     if not rpc.is_loopback(args.host):
         print(
             f"specexec worker: warning: listening on {args.host}: llama.cpp's RPC protocol has no "
@@ -246,7 +255,8 @@ def _worker(args: argparse.Namespace) -> int:
             taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             taken.bind((args.host.strip("[]"), args.port))
         print(
-            f"specexec worker: serving on {args.host}:{args.port} (Ctrl-C stops it)",
+            f"specexec worker: serving on {args.host}:{args.port}"
+            f"{', batch-invariant' if args.batch_invariant else ''} (Ctrl-C stops it)",
             file=sys.stderr,
             flush=True,
         )

@@ -135,6 +135,12 @@ class LlamaCppModel:
         self.version = llama_cpp.__version__
         self._spares: list[tuple[tuple[int, int], int]] = []  # ((capacity, sequences), context pointer)
         self._spares_lock = threading.Lock()
+        if self.workers is not None and self.batch_invariant and not _rows_as_alone(self):
+            self._free()  # now, while the workers are there: the error's traceback keeps this object
+            raise LlamaCppError(
+                "--batch-invariant: the RPC workers compute a row of a block other than the row alone "
+                "(ggml's tiled matmul is on there): start each with `specexec worker --batch-invariant`"
+            )
 
     def take_context(self, capacity: int, sequences: int) -> int | None:
         """A spare context of a runner of `capacity` slots and `sequences` sequences, its cache empty, or
@@ -207,6 +213,9 @@ class LlamaCppModel:
         return np.ascontiguousarray(rows, dtype=np.float32)
 
     def __del__(self) -> None:
+        self._free()
+
+    def _free(self) -> None:
         if getattr(self, "workers", None) is not None and rpc.exiting():
             return
         for _, ctx in getattr(self, "_spares", []):
@@ -218,6 +227,26 @@ class LlamaCppModel:
         if getattr(self, "handle", None):
             self._llama_cpp.llama_model_free(self.handle)
             self.handle = None
+
+
+def _rows_as_alone(model: LlamaCppModel) -> bool:
+    """Whether the first row of a block of CHECKED_ROWS rows gets bit for bit the logits of its token
+    decoded alone, after a short prefix. What runs here is the mode's own (`batch_invariant_kernels`);
+    what runs on RPC workers is theirs to choose, and ggml's tiled matmul, on unless a worker turns it
+    off, takes blocks from 8 rows up."""
+    prefix, rows = CHECKED_PREFIX, CHECKED_ROWS
+    tokens = torch.tensor([(7919 * i) % model.vocab_size for i in range(1, prefix + rows + 1)])
+    runner = LlamaCppRunner(model, prefix + rows)
+    runner.extend(tokens[:prefix])
+    positions = torch.arange(prefix, prefix + rows)
+    chain = torch.ones(rows, prefix + rows, dtype=torch.bool).tril(prefix)  # row i sees rows <= i
+    block = runner.forward_tree(tokens[prefix:], positions, positions, chain, rows)  # (rows, V)
+    runner.keep(torch.arange(prefix))
+    alone = runner.extend(tokens[prefix : prefix + 1])  # (1, V)
+    return torch.equal(block[:1], alone)
+
+
+CHECKED_PREFIX, CHECKED_ROWS = 4, 16
 
 
 def _weight_type(llama_cpp, handle) -> str:

@@ -88,5 +88,3 @@ def _refuse_combinations(options: LoadOptions) -> None:
         raise LlamaCppError(
             "--rpc puts the target's layers on workers, --ram streams them from disk: choose one"
         )
-    if options.rpc and options.batch_invariant:
-        raise LlamaCppError("--batch-invariant cannot choose the kernels of RPC workers: not with --rpc")
