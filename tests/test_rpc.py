@@ -6,6 +6,7 @@ negative control."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -282,10 +283,12 @@ def test_the_worker_command_refuses_a_taken_port_and_warns_off_loopback(rpc_work
 
 
 GENERATE = """
+import signal
 import sys
 import specexec
 from specexec.backends.llamacpp.model import LlamaCppModel
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even in a background job
 target = LlamaCppModel(sys.argv[1], threads=1, rpc=(sys.argv[2],))
 print("loaded", flush=True)
 for _ in range(int(sys.argv[3])):
@@ -327,6 +330,36 @@ def test_a_worker_killed_mid_generation_ends_it_in_one_line_and_a_restarted_one_
     finally:
         stop(worker)
     assert again.returncode == 0 and again.stdout.splitlines() == ["loaded", "done"], again.stderr
+
+
+def test_ctrl_c_ends_a_pass_that_a_stopped_worker_never_answers(ggufs, tmp_path: Path) -> None:
+    """A stopped worker (SIGSTOP) keeps its connection, and its kernel acknowledges what is sent, so a
+    pass waits on it for good: the negative control, the generation still waiting seconds later. Ctrl-C
+    (SIGINT) then ends it within seconds, in one line, with status 130."""
+    script = tmp_path / "generate.py"
+    script.write_text(GENERATE)
+    port = free_port()
+    worker = start_worker(port)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(ggufs[0]), f"127.0.0.1:{port}", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline() == "loaded\n"
+        time.sleep(1.0)  # generating
+        worker.send_signal(signal.SIGSTOP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=3 * rpc.INTERRUPT_GRACE)
+        child.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        child.wait(timeout=30)
+        assert time.monotonic() - interrupted < 10
+    finally:
+        child.kill()
+        worker.send_signal(signal.SIGCONT)
+        stop(worker)
+    assert child.returncode == 130
+    assert child.stderr.read().strip() == "specexec: interrupted"
 
 
 def test_a_worker_that_acknowledges_nothing_is_given_up_after_a_bound(ggufs, rpc_workers) -> None:

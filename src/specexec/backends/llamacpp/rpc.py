@@ -22,9 +22,11 @@ import ipaddress
 import math
 import os
 import re
+import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -190,6 +192,7 @@ class Placement:
         overrides = (_BufferOverride * 2)(
             _BufferOverride(LOCAL_TENSORS, _cpu_buffer_type()), _BufferOverride()
         )
+        _ON_WORKERS.update(w.endpoint for w in self.workers)
         params.devices = ctypes.cast(device_array, ctypes.c_void_p)
         params.tensor_split = split
         params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
@@ -202,13 +205,15 @@ class Placement:
         LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's connections to the
         workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes.
         Keep-alive probes every second while a pass waits for a worker's answer give the timeout
-        something to wait for even when this side has nothing left to send."""
+        something to wait for even when this side has nothing left to send. And Ctrl-C ends a pass that
+        a worker never answers (`_cut_on_interrupt`)."""
         for sock in _connections(tuple(w.endpoint for w in self.workers)):
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LOST_AFTER_MS)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        _cut_on_interrupt()
 
     def record(self) -> dict:
         """What a benchmark's machine record says of the workers."""
@@ -358,6 +363,67 @@ def _connections(endpoints: tuple[str, ...]) -> Iterator[socket.socket]:
         sock.close()
 
 
+_ON_WORKERS: set[str] = set()  # the endpoints of every model this process put on workers
+_passes = 0  # passes on workers in flight (`pass_on_workers`)
+_interrupted = False
+INTERRUPT_GRACE = 2.0  # seconds a pass on workers may take to end after Ctrl-C before its connections are cut
+
+
+@contextlib.contextmanager
+def pass_on_workers() -> Iterator[None]:
+    """Around a llama_decode of a model on workers: a pass that Ctrl-C may end by cutting its connections."""
+    global _passes
+    _passes += 1
+    try:
+        yield
+    finally:
+        _passes -= 1
+
+
+_WAKEUP: socket.socket | None = None
+
+
+def _cut_on_interrupt() -> None:
+    """Let Ctrl-C end a pass that a worker never answers (a stopped or hung worker: it keeps the
+    connection, and its kernel acknowledges what is sent). Python runs its SIGINT handler only once
+    llama_decode returns, which it then never does; so where this process takes SIGINT as Python's
+    KeyboardInterrupt (its main thread, the default handler, no other wake-up descriptor such as an event
+    loop's), the signal also wakes a thread here, and if a pass on workers has not ended INTERRUPT_GRACE
+    seconds later, the thread cuts the connections to the workers: ggml-rpc then aborts, and the abort
+    callback says `specexec: interrupted` and exits with 130. Installed once."""
+    global _WAKEUP
+    if _WAKEUP is not None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    read, write = socket.socketpair()
+    write.setblocking(False)
+    previous = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)  # someone else's: left to them
+        read.close()
+        write.close()
+        return
+    _WAKEUP = write  # kept open: the signal machinery writes to it
+
+    def watch() -> None:
+        global _interrupted
+        while True:
+            if signal.SIGINT not in read.recv(64) or not _passes:
+                continue
+            deadline = time.monotonic() + INTERRUPT_GRACE
+            while _passes and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _passes:
+                _interrupted = True
+                for sock in _connections(tuple(_ON_WORKERS)):
+                    with sock, contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                return
+
+    threading.Thread(target=watch, name="specexec-rpc-interrupt", daemon=True).start()
+
+
 _ON_ABORT = None
 
 
@@ -371,6 +437,10 @@ def _end_in_one_line_on_abort() -> None:
 
     @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
     def on_abort(message: bytes) -> None:
+        if _interrupted:  # Ctrl-C cut the connections of a pass a worker did not answer
+            sys.stderr.write("specexec: interrupted\n")
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGINT)
         said = message.decode("utf-8", "replace").split(": ", 1)[-1].strip()  # less the source file:line
         if "RPC" in said or "connect" in said.lower():
             said = f"lost the connection to an RPC worker ({said}); restart it, then specexec"

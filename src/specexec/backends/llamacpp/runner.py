@@ -3,6 +3,7 @@ context, trees verified in one `llama_decode` with a sequence id per leaf (`mode
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -375,7 +376,8 @@ class LlamaCppRunner(SlotRunner):
             batch.n_tokens = count
             if streamer is not None:
                 streamer.begin()
-            status = llama_cpp.llama_decode(self.ctx, batch)
+            with rpc.pass_on_workers() if self.model.workers is not None else contextlib.nullcontext():
+                status = llama_cpp.llama_decode(self.ctx, batch)
             if streamer is not None:
                 streamer.end()
             if status != 0:
