@@ -17,7 +17,7 @@ import specexec
 from specexec.backends.llamacpp import library
 from specexec.backends.llamacpp.library import LlamaCppError, llama_cpp_library
 from specexec.backends.llamacpp.model import LlamaCppModel
-from specexec.backends.llamacpp.runner import LlamaCppRunner
+from specexec.backends.llamacpp.runner import KEPT_DROPPED_CELLS, LlamaCppRunner
 from specexec.budget.costs import CostModel
 
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
@@ -32,7 +32,7 @@ METHODS = [
     dict(method="specexec", budget=8),
     dict(method="specexec", budget=96),  # past flash attention's 64-row tile and the tiled matmul's 8
     dict(method="specexec", budget="auto", cost_model=FLAT),
-    dict(method="specinfer", budget=255, branches=255),  # 255 leaves, every sequence id a context has
+    dict(method="specinfer", budget=254, branches=254),  # every leaf sequence a batch-invariant context has
 ]
 
 
@@ -109,6 +109,26 @@ def test_every_method_gives_plain_decodings_greedy_tokens(ggufs) -> None:
         assert out.tokens == reference, args
         if args["method"] == "specexec":
             assert out.stats.tokens_per_step > 1.2, args  # trees were verified, not single tokens
+
+
+def test_dropped_cells_stay_taken_until_there_are_many(ggufs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rejected nodes' cells are not freed (the next tree would fill the holes, below committed cells):
+    the cache is laid out again, which frees them, only once more than KEPT_DROPPED_CELLS are taken, not
+    after every tree (a copy of the cache each, across the network for a target on RPC workers)."""
+    target = LlamaCppModel(ggufs[0], threads=2, batch_invariant=True)
+    draft = LlamaCppModel(ggufs[1], threads=1)
+    laid_out: list[int] = []
+    compact = LlamaCppRunner._compact
+
+    def counted(runner: LlamaCppRunner) -> None:
+        laid_out.append(runner.dropped)
+        compact(runner)
+
+    monkeypatch.setattr(LlamaCppRunner, "_compact", counted)
+    out = specexec.generate(target, draft, PROMPT, method="specexec", budget=96, max_new_tokens=NEW)
+    assert out.stats.target_calls >= 8  # test design: many trees of up to 96 nodes
+    assert 0 < len(laid_out) < out.stats.target_calls / 2
+    assert all(dropped > KEPT_DROPPED_CELLS for dropped in laid_out)
 
 
 def test_the_mode_must_come_before_the_processs_first_pass(monkeypatch) -> None:

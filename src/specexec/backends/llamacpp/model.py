@@ -86,6 +86,8 @@ class LlamaCppModel:
         shards(self.gguf)  # a split GGUF's first file, with every part beside it, or an error
         self.threads = options.threads or torch.get_num_threads()
         self.batch_invariant = options.batch_invariant
+        if self.batch_invariant:
+            self.max_tree_leaves = MAX_SEQUENCES - 2  # a runner's last sequence holds its dropped cells
         self.quantization = quant  # "none": the GGUF's own weights, whatever their types
         self.head: torch.Tensor | None = None  # (V',) the token ids of a reduced head's rows
         if options.ram is not None and (vocab or quant != "none"):

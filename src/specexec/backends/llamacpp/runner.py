@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 GGML_TYPE_Q8_0 = 8  # ggml_type
 BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer blocks are split
 CELL_BLOCK = 1024  # a context's cells come in whole blocks of this many (see _in_blocks)
+# Dropped cells a batch-invariant runner keeps taken (`_drop_cells`) before it lays its cache out again: a
+# context has BATCH cells beyond its capacity, and half of them stay free for the next tree.
+KEPT_DROPPED_CELLS = BATCH // 2
 
 
 @dataclass
@@ -83,6 +86,7 @@ class LlamaCppRunner(SlotRunner):
         embedded = model.width if model.head is not None else 0
         self.batch = llama_cpp.llama_batch_init(BATCH, embedded, MAX_SEQUENCES)
         self.slots: dict[int, _Slot] = {}
+        self.dropped = 0  # cells `_drop_cells` kept taken since the cache was last laid out
         self._reset_sequences()
 
     def __del__(self) -> None:
@@ -193,7 +197,7 @@ class LlamaCppRunner(SlotRunner):
         if len(leaves) > len(self.free_sequences):
             raise LlamaCppError(
                 f"llama.cpp backend: a tree with {len(leaves)} leaves needs more than the "
-                f"{MAX_SEQUENCES - 1} sequences llama.cpp allows; use a smaller budget"
+                f"{len(self._leaf_sequences())} sequences this context gives leaves; use a smaller budget"
             )
         rows: list[list[int]] = [[] for _ in range(n)]
         for i in leaves:
@@ -237,8 +241,8 @@ class LlamaCppRunner(SlotRunner):
             llama_cpp.llama_memory_seq_rm(memory, 0, k, -1)
         self.length = k + len(tail)
         if subtree is None or not subtree.numel():
-            self._drop_tree()
-            if tail and last.sequence and self.model.batch_invariant:
+            self._drop_tree(committed=len(tail))
+            if self.dropped > KEPT_DROPPED_CELLS:
                 self._compact()
             return
         if not tail or self.sequences < MAX_SEQUENCES:
@@ -308,6 +312,7 @@ class LlamaCppRunner(SlotRunner):
         self.model.give_context(self.ctx, self.capacity, self.sequences)
         self.ctx, self.memory = ctx, llama_cpp.llama_get_memory(ctx)
         self.capacity, self.sequences = capacity, sequences
+        self.dropped = 0
         self._reset_sequences()
 
     def _new_context(self, capacity: int, sequences: int):
@@ -400,17 +405,16 @@ class LlamaCppRunner(SlotRunner):
         return logits[[index[row] for row in kept]]
 
     def _compact(self) -> None:
-        """Lay sequence 0's cells out again in position order from cell 0, as plain decoding leaves them.
-        A kept tree path leaves holes where rejected nodes were, which the next tree's nodes fill, so
-        committed tokens come to sit out of position order; flash attention sums over cells in cell
-        order, and on the packaged pair that moved greedy tokens in the batch-invariant mode."""
+        """Lay sequence 0's cells out again in position order from cell 0, as plain decoding leaves them,
+        and free the dropped cells (`_drop_cells`). Only between trees: every other sequence is empty."""
         llama_cpp = self.llama_cpp
         size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
         state = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
-        llama_cpp.llama_memory_seq_rm(self.memory, 0, -1, -1)  # every cell free: placed from cell 0 on
+        llama_cpp.llama_memory_clear(self.memory, False)  # every cell free: placed from cell 0 on
         if llama_cpp.llama_state_seq_set_data(self.ctx, state, written, 0) == 0:
             raise LlamaCppError("llama.cpp could not lay the KV cache out again")
+        self.dropped = 0
 
     def _position_of(self, position_list: list[int], batch_row: dict[int, int]):
         def position(slot: int) -> int:
@@ -433,24 +437,55 @@ class LlamaCppRunner(SlotRunner):
         if info is None:
             return
         sequence = info.sequence
+        self.dropped += self._dropped_sequence() is not None
         if not sequence:  # a token decoded into sequence 0 and not committed
-            self.llama_cpp.llama_memory_seq_rm(self.memory, 0, info.position, info.position + 1)
+            self._drop_cells(0, info.position, info.position + 1)
             return
         self.users[sequence] -= 1
         if not self.users[sequence] and sequence not in self.free_sequences:
-            self.llama_cpp.llama_memory_seq_rm(self.memory, sequence, -1, -1)
+            self._drop_cells(sequence, -1, -1)
             self.free_sequences.append(sequence)
 
-    def _drop_tree(self) -> None:
-        """Forget every tree slot: only sequence 0's cells stay."""
-        if self.slots or len(self.free_sequences) < self.sequences - 1:
+    def _drop_tree(self, committed: int = 0) -> None:
+        """Forget every tree slot: only sequence 0's cells stay. `committed`: how many of the slots
+        `keep` just made sequence 0's."""
+        if not self.slots and len(self.free_sequences) == len(self._leaf_sequences()):
+            return
+        if self._dropped_sequence() is None:
             self.llama_cpp.llama_memory_seq_keep(self.memory, 0)
             self.llama_cpp.llama_memory_seq_rm(self.memory, 0, self.length, -1)  # uncommitted tokens
-            self.slots.clear()
-            self._reset_sequences()
+        else:
+            for sequence in set(self._leaf_sequences()) - set(self.free_sequences):
+                self._drop_cells(sequence, -1, -1)
+            self._drop_cells(0, self.length, -1)
+            self.dropped += len(self.slots) - committed
+        self.slots.clear()
+        self._reset_sequences()
+
+    def _drop_cells(self, sequence: int, start: int, stop: int) -> None:
+        """Take `sequence` off its cells at positions [start, stop) (-1: open). A batch-invariant runner's
+        cells stay taken, by a sequence no token sees, until `_compact`: freed, they would be holes below
+        committed cells, which the next tree's nodes fill, and committed tokens would come to sit out of
+        position order. Flash attention sums over cells in cell order (skipping the ones a row does not
+        see), so a cache in position order gives every row plain decoding's sums."""
+        dropped = self._dropped_sequence()
+        if dropped is not None:
+            self.llama_cpp.llama_memory_seq_cp(self.memory, sequence, dropped, start, stop)
+        self.llama_cpp.llama_memory_seq_rm(self.memory, sequence, start, stop)
+
+    def _dropped_sequence(self) -> int | None:
+        """The sequence that holds a batch-invariant runner's dropped cells (its context's last), None where
+        dropped cells are freed."""
+        if self.model.batch_invariant and self.sequences == MAX_SEQUENCES:
+            return self.sequences - 1
+        return None
+
+    def _leaf_sequences(self) -> range:
+        """The sequence ids a tree's leaves may take."""
+        return range(1, self.sequences if self._dropped_sequence() is None else self.sequences - 1)
 
     def _reset_sequences(self) -> None:
-        self.free_sequences = list(range(self.sequences - 1, 0, -1))  # pop() hands out 1 first
+        self.free_sequences = list(reversed(self._leaf_sequences()))  # pop() hands out 1 first
         self.users = [0] * self.sequences  # slots whose `sequence` is this id
 
 
