@@ -231,6 +231,9 @@ class LlamaCppModel:
             self.handle = None
 
 
+CHECKED_PREFIX, CHECKED_ROWS = 4, 16  # the block `_rows_as_alone` checks, after that many cached tokens
+
+
 def _rows_as_alone(model: LlamaCppModel) -> bool:
     """Whether the first row of a block of CHECKED_ROWS rows gets bit for bit the logits of its token
     decoded alone, after a short prefix. What runs here is the mode's own (`batch_invariant_kernels`);
@@ -246,9 +249,6 @@ def _rows_as_alone(model: LlamaCppModel) -> bool:
     runner.keep(torch.arange(prefix))
     alone = runner.extend(tokens[prefix : prefix + 1])  # (1, V)
     return torch.equal(block[:1], alone)
-
-
-CHECKED_PREFIX, CHECKED_ROWS = 4, 16
 
 
 def _weight_type(llama_cpp, handle) -> str:
