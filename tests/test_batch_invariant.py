@@ -99,14 +99,24 @@ def test_the_default_mode_gives_a_row_other_logits_in_a_block(ggufs) -> None:
     assert differing_blocks(LlamaCppModel(ggufs[0], threads=2), 8) != []
 
 
+def assert_methods_give_ars_tokens(target, draft, methods: list[dict], new: int, distinct: int) -> list:
+    """Every method's greedy tokens on PROMPT are `ar`'s on `target`, whose output has at least
+    `distinct` different tokens (test design: not one repeated token); the methods' outputs."""
+    reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=new).tokens
+    assert len(set(reference)) >= distinct
+    outputs = []
+    for args in methods:
+        out = specexec.generate(target, draft, PROMPT, max_new_tokens=new, **args)
+        assert out.tokens == reference, args
+        outputs.append(out)
+    return outputs
+
+
 def test_every_method_gives_plain_decodings_greedy_tokens(ggufs) -> None:
     target = LlamaCppModel(ggufs[0], threads=2, batch_invariant=True)
     draft = LlamaCppModel(ggufs[1], threads=1)
-    reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=NEW).tokens
-    assert len(set(reference)) >= 8  # test design: not one repeated token
-    for args in METHODS:
-        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args)
-        assert out.tokens == reference, args
+    outputs = assert_methods_give_ars_tokens(target, draft, METHODS, NEW, 8)
+    for args, out in zip(METHODS, outputs, strict=True):
         if args["method"] == "specexec":
             assert out.stats.tokens_per_step > 1.2, args  # trees were verified, not single tokens
 

@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from rpc_workers import free_port, start_worker, stop
-from test_batch_invariant import FLAT, PROMPT, differing_blocks, k_quant_gguf
+from test_batch_invariant import FLAT, PROMPT, assert_methods_give_ars_tokens, differing_blocks, k_quant_gguf
 from test_batch_invariant import METHODS as BATCH_INVARIANT_METHODS
 
-import specexec
 from specexec.backends.llamacpp import library, rpc, weights
 from specexec.backends.llamacpp import model as model_module
 from specexec.backends.llamacpp.library import LlamaCppError
@@ -105,17 +104,14 @@ def test_every_method_gives_ars_greedy_tokens_over_rpc(ggufs, rpc_workers) -> No
     target = LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)
     draft = LlamaCppModel(ggufs[1], threads=1)
     assert draft.workers is None
-    reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=NEW).tokens
-    assert len(set(reference)) >= 6  # test design: not one repeated token
-    for args in (
+    methods = [
         dict(method="sd", budget=4),
         dict(method="dsl", budget="auto", cost_model=FLAT),
         dict(method="specinfer", budget=16, branches=4),
         dict(method="specexec", budget=32),
         dict(method="specexec", budget="auto", cost_model=FLAT),
-    ):
-        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args)
-        assert out.tokens == reference, args
+    ]
+    assert_methods_give_ars_tokens(target, draft, methods, NEW, 6)
 
 
 @pytest.fixture
@@ -166,11 +162,7 @@ def test_batch_invariant_over_rpc_gives_every_methods_greedy_tokens_as_ar(
     workers = default_kernel_workers("--batch-invariant")
     target = LlamaCppModel(wide_ggufs[0], threads=1, rpc=workers, batch_invariant=True)
     draft = LlamaCppModel(wide_ggufs[1], threads=1)
-    reference = specexec.generate(target, None, PROMPT, method="ar", max_new_tokens=NEW).tokens
-    assert len(set(reference)) >= 6  # test design: not one repeated token
-    for args in BATCH_INVARIANT_METHODS:
-        out = specexec.generate(target, draft, PROMPT, max_new_tokens=NEW, **args)
-        assert out.tokens == reference, args
+    assert_methods_give_ars_tokens(target, draft, BATCH_INVARIANT_METHODS, NEW, 6)
 
 
 def test_malformed_endpoints_are_one_line_errors() -> None:
