@@ -70,10 +70,9 @@ def draft_model():
 @pytest.fixture(scope="session")
 def rpc_workers() -> Iterator[tuple[str, ...]]:
     """Two `specexec worker`s on loopback, for every test that puts a target's layers on workers."""
-    from rpc_workers import free_port, start_worker, stop
+    from rpc_workers import start_workers, stop
 
-    ports = [free_port() for _ in range(2)]
-    started = [start_worker(port) for port in ports]
-    yield tuple(f"127.0.0.1:{port}" for port in ports)
+    endpoints, started = start_workers(2)
+    yield endpoints
     for worker in started:
         stop(worker)

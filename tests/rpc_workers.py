@@ -36,6 +36,15 @@ def start_worker(port: int, *options: str, env: dict[str, str] | None = None) ->
             time.sleep(0.2)
 
 
+def start_workers(
+    count: int, *options: str, env: dict[str, str] | None = None
+) -> tuple[tuple[str, ...], list[subprocess.Popen]]:
+    """`count` workers (`start_worker`): their endpoints, for --rpc, and their processes."""
+    ports = [free_port() for _ in range(count)]
+    started = [start_worker(port, *options, env=env) for port in ports]
+    return tuple(f"127.0.0.1:{port}" for port in ports), started
+
+
 def stop(worker: subprocess.Popen) -> None:
     worker.kill()
     worker.wait()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rpc_workers import free_port, start_worker, stop
+from rpc_workers import free_port, start_worker, start_workers, stop
 from test_batch_invariant import FLAT, PROMPT, assert_methods_give_ars_tokens, differing_blocks, k_quant_gguf
 from test_batch_invariant import METHODS as BATCH_INVARIANT_METHODS
 
@@ -122,9 +122,9 @@ def default_kernel_workers() -> Iterator[Callable[..., tuple[str, ...]]]:
     started = []
 
     def start(*options: str) -> tuple[str, ...]:
-        ports = [free_port() for _ in range(2)]
-        started.extend(start_worker(port, *options, env=env) for port in ports)
-        return tuple(f"127.0.0.1:{port}" for port in ports)
+        endpoints, workers = start_workers(2, *options, env=env)
+        started.extend(workers)
+        return endpoints
 
     yield start
     for worker in started:

@@ -192,7 +192,6 @@ class Placement:
         overrides = (_BufferOverride * 2)(
             _BufferOverride(LOCAL_TENSORS, _cpu_buffer_type()), _BufferOverride()
         )
-        _ON_WORKERS.update(w.endpoint for w in self.workers)
         params.devices = ctypes.cast(device_array, ctypes.c_void_p)
         params.tensor_split = split
         params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
@@ -363,7 +362,6 @@ def _connections(endpoints: tuple[str, ...]) -> Iterator[socket.socket]:
         sock.close()
 
 
-_ON_WORKERS: set[str] = set()  # the endpoints of every model this process put on workers
 _passes = 0  # passes on workers in flight (`pass_on_workers`)
 _interrupted = False
 INTERRUPT_GRACE = 2.0  # seconds a pass on workers may take to end after Ctrl-C before its connections are cut
@@ -416,7 +414,7 @@ def _cut_on_interrupt() -> None:
                 time.sleep(0.05)
             if _passes:
                 _interrupted = True
-                for sock in _connections(tuple(_ON_WORKERS)):
+                for sock in _connections(tuple(_ANSWERED)):  # every worker a model here is on
                     with sock, contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
                 return

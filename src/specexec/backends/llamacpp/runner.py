@@ -87,6 +87,8 @@ class LlamaCppRunner(SlotRunner):
         self.batch = llama_cpp.llama_batch_init(BATCH, embedded, MAX_SEQUENCES)
         self.slots: dict[int, _Slot] = {}
         self.dropped = 0  # cells `_drop_cells` kept taken since the cache was last laid out
+        # What a pass runs within: over RPC, one that Ctrl-C may end (`rpc.pass_on_workers`).
+        self._in_pass = rpc.pass_on_workers if model.workers is not None else contextlib.nullcontext
         self._reset_sequences()
 
     def __del__(self) -> None:
@@ -381,7 +383,7 @@ class LlamaCppRunner(SlotRunner):
             batch.n_tokens = count
             if streamer is not None:
                 streamer.begin()
-            with rpc.pass_on_workers() if self.model.workers is not None else contextlib.nullcontext():
+            with self._in_pass():
                 status = llama_cpp.llama_decode(self.ctx, batch)
             if streamer is not None:
                 streamer.end()
