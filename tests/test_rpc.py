@@ -22,7 +22,7 @@ from rpc_workers import free_port, start_worker, start_workers, stop
 from test_batch_invariant import FLAT, PROMPT, assert_methods_give_ars_tokens, differing_blocks, k_quant_gguf
 from test_batch_invariant import METHODS as BATCH_INVARIANT_METHODS
 
-from specexec.backends.llamacpp import library, rpc, weights
+from specexec.backends.llamacpp import heartbeat, library, rpc, weights
 from specexec.backends.llamacpp import model as model_module
 from specexec.backends.llamacpp.library import LlamaCppError
 from specexec.backends.llamacpp.model import LlamaCppModel
@@ -326,8 +326,8 @@ def test_a_worker_killed_mid_generation_ends_it_in_one_line_and_a_restarted_one_
 
 def test_ctrl_c_ends_a_pass_that_a_stopped_worker_never_answers(ggufs, tmp_path: Path) -> None:
     """A stopped worker (SIGSTOP) keeps its connection, and its kernel acknowledges what is sent, so a
-    pass waits on it for good: the negative control, the generation still waiting seconds later. Ctrl-C
-    (SIGINT) then ends it within seconds, in one line, with status 130."""
+    pass waits on it until its heartbeats are missed (below): the negative control, the generation still
+    waiting seconds later. Ctrl-C (SIGINT) ends it sooner, in one line, with status 130."""
     script = tmp_path / "generate.py"
     script.write_text(GENERATE)
     port = free_port()
@@ -341,17 +341,101 @@ def test_ctrl_c_ends_a_pass_that_a_stopped_worker_never_answers(ggufs, tmp_path:
         time.sleep(1.0)  # generating
         worker.send_signal(signal.SIGSTOP)
         with pytest.raises(subprocess.TimeoutExpired):
-            child.wait(timeout=3 * rpc.INTERRUPT_GRACE)
+            child.wait(timeout=rpc.INTERRUPT_GRACE)
         child.send_signal(signal.SIGINT)
         interrupted = time.monotonic()
         child.wait(timeout=30)
-        assert time.monotonic() - interrupted < 10
+        assert time.monotonic() - interrupted < heartbeat.LOST_AFTER - 2 * rpc.INTERRUPT_GRACE
     finally:
         child.kill()
         worker.send_signal(signal.SIGCONT)
         stop(worker)
     assert child.returncode == 130
     assert child.stderr.read().strip() == "specexec: interrupted"
+
+
+def test_a_worker_that_stops_answering_heartbeats_ends_the_pass_in_one_line(ggufs, tmp_path: Path) -> None:
+    """A stopped worker, no Ctrl-C: its heartbeats missed for heartbeat.LOST_AFTER seconds end the
+    generation in one line, with status 1 (before heartbeats, it waited for good: the test above)."""
+    script = tmp_path / "generate.py"
+    script.write_text(GENERATE)
+    port = free_port()
+    worker = start_worker(port)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(ggufs[0]), f"127.0.0.1:{port}", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline() == "loaded\n"
+        time.sleep(1.0)  # generating
+        worker.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        child.wait(timeout=60)
+        waited = time.monotonic() - stopped
+    finally:
+        child.kill()
+        worker.send_signal(signal.SIGCONT)
+        stop(worker)
+    assert heartbeat.LOST_AFTER - heartbeat.EVERY <= waited < heartbeat.LOST_AFTER + 5
+    assert child.returncode == 1
+    assert child.stderr.read().strip() == (
+        f"specexec: error: RPC worker 127.0.0.1:{port} answered no heartbeat for 10 s during a pass "
+        "(stopped, hung or cut off); restart it, then specexec"
+    )
+
+
+class heartbeats:
+    """A worker's heartbeats on a UDP port of loopback, answered while `answering` is set."""
+
+    def __init__(self) -> None:
+        self.answering = threading.Event()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            data, peer = self.sock.recvfrom(64)
+            if self.answering.is_set():
+                self.sock.sendto(b"specexec worker!" + data[16:], peer)
+
+
+def test_heartbeats_keep_a_busy_worker_and_give_up_a_silent_one_during_passes_only() -> None:
+    """The watch on its own, with a worker whose answers the test turns on and off: silence between passes
+    does not count, answers during a long pass keep the worker, silence during a pass gives it up after
+    `lost_after` seconds, and only that worker."""
+    silent, steady = heartbeats(), heartbeats()
+    steady.answering.set()
+    in_pass = threading.Event()
+    lost: list[tuple[str, float]] = []
+    watch = heartbeat.Watch(
+        in_pass.is_set, lambda e: lost.append((e, time.monotonic())), lost_after=0.6, every=0.1
+    )
+    watch.add(silent.endpoint)
+    watch.add(steady.endpoint)
+    time.sleep(1.5)  # between passes, silent
+    assert lost == []
+    silent.answering.set()
+    in_pass.set()
+    time.sleep(1.5)  # a long pass, answered
+    assert lost == []
+    silent.answering.clear()
+    quiet = time.monotonic()
+    time.sleep(3.0)
+    assert [endpoint for endpoint, _ in lost] == [silent.endpoint]
+    assert 0.6 - 0.1 <= lost[0][1] - quiet < 1.5  # its last answer may have come a question before
+
+
+def test_probe_says_whether_a_worker_answers_heartbeats() -> None:
+    port = free_port()
+    worker = start_worker(port)
+    try:
+        assert rpc.probe(f"127.0.0.1:{port}").heartbeat
+    finally:
+        stop(worker)
+    with fake_worker(answer=(*rpc.PROTOCOL, 0)) as endpoint:  # the control: llama.cpp's rpc-server has none
+        assert not rpc.probe(endpoint).heartbeat
 
 
 def test_a_worker_that_acknowledges_nothing_is_given_up_after_a_bound(ggufs, rpc_workers) -> None:
@@ -368,10 +452,14 @@ def test_a_worker_that_acknowledges_nothing_is_given_up_after_a_bound(ggufs, rpc
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 1
 
 
-def test_a_server_whose_worker_dies_answers_503_and_serves_again_once_it_is_back(tmp_path: Path) -> None:
-    """`specexec serve --rpc`: the worker killed, the next request (whose first pass breaks the
-    connection) is a 503 within seconds, so are the requests after it and /health, and once the worker
-    is back the same server answers 200 again. Negative control: before the kill, the request is a 200."""
+@pytest.mark.parametrize("loss", ["killed", "stopped"])
+def test_a_server_whose_worker_is_lost_answers_503_and_serves_again_once_it_is_back(
+    loss: str, tmp_path: Path
+) -> None:
+    """`specexec serve --rpc`: the worker killed (the next request's first pass breaks the connection) or
+    stopped (its heartbeats stop), the next request is a 503 within seconds, so are the requests after
+    it and /health, and once the worker is back the same server answers 200 again. Negative control:
+    before the loss, the request is a 200."""
     pytest.importorskip("fastapi", reason="the server needs specexec[server]")
     import httpx
     from server_helpers import wait_serving
@@ -393,15 +481,22 @@ def test_a_server_whose_worker_dies_answers_503_and_serves_again_once_it_is_back
     try:
         wait_serving(server, url, 180)
         assert httpx.post(url + "/v1/completions", json=request, timeout=60).status_code == 200
-        stop(worker)
+        if loss == "killed":
+            stop(worker)
+        else:
+            worker.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         lost = httpx.post(url + "/v1/completions", json=request, timeout=60)
-        assert lost.status_code == 503 and time.monotonic() - started < 10, lost.text
+        bound = 10 if loss == "killed" else heartbeat.LOST_AFTER + 5
+        assert lost.status_code == 503 and time.monotonic() - started < bound, lost.text
         assert lost.json()["error"]["code"] == "unavailable" and "Retry-After" in lost.headers
         again = httpx.post(url + "/v1/completions", json=request, timeout=60)
         assert again.status_code == 503 and "unavailable" in again.json()["error"]["message"]
         assert httpx.get(url + "/health", timeout=10).status_code == 503
-        worker = start_worker(port)
+        if loss == "killed":
+            worker = start_worker(port)
+        else:
+            worker.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 60
         while (answer := httpx.post(url + "/v1/completions", json=request, timeout=60)).status_code == 503:
             assert time.monotonic() < deadline, answer.text
@@ -411,5 +506,6 @@ def test_a_server_whose_worker_dies_answers_503_and_serves_again_once_it_is_back
     finally:
         server.terminate()
         output = server.communicate(timeout=30)[0]
+        worker.send_signal(signal.SIGCONT)
         stop(worker)
     assert "an RPC worker lost?" in output and "serving again" in output, output

@@ -238,7 +238,7 @@ def _worker(args: argparse.Namespace) -> int:
     import socket
 
     from specexec.backends.base import BackendError
-    from specexec.backends.llamacpp import rpc
+    from specexec.backends.llamacpp import heartbeat, rpc
     from specexec.backends.llamacpp.library import batch_invariant_kernels
 
     if args.batch_invariant:
@@ -254,6 +254,12 @@ def _worker(args: argparse.Namespace) -> int:
         with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as taken:
             taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             taken.bind((args.host.strip("[]"), args.port))
+        if not heartbeat.answer(args.host, args.port):
+            print(
+                f"specexec worker: warning: UDP port {args.port} is taken, so this worker answers no "
+                "heartbeats: a client waits on it, if it hangs, until Ctrl-C",
+                file=sys.stderr,
+            )
         print(
             f"specexec worker: serving on {args.host}:{args.port}"
             f"{', batch-invariant' if args.batch_invariant else ''} (Ctrl-C stops it)",

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specexec.server")
 
 # A generation without a forward for this long makes /health a 503, and a child pair that says nothing for
-# this long is taken for hung (a worker that stays connected but stopped computing): a 70B model's prefill
+# this long is taken for hung (a worker that stays connected but stopped computing, and answers no
+# heartbeats, which would end the child in seconds: backends/llamacpp/heartbeat.py): a 70B model's prefill
 # chunk can take a minute on CPUs.
 STALL_SECONDS = 300.0
 RETRY_SECONDS = 2.0  # how often a server whose child died tries to start a new one

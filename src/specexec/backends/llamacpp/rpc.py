@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexec.backends.llamacpp import heartbeat
 from specexec.backends.llamacpp.library import LlamaCppError, ggml_library, llama_cpp_library, rebuild_command
 
 # The protocol of the ggml-rpc.h that llama-cpp-python 0.3.36 vendors (RPC_PROTO_MAJOR/MINOR_VERSION): a
@@ -80,6 +81,9 @@ class Worker:
     free: int  # bytes of memory its first device has free
     total: int
     round_trip: float  # seconds, the fastest of its small requests
+    heartbeat: bool = (
+        False  # whether it answers heartbeats (`specexec worker` does; llama.cpp's rpc-server not)
+    )
 
 
 def probe(endpoint: str, timeout: float = PROBE_SECONDS) -> Worker:
@@ -111,7 +115,8 @@ def probe(endpoint: str, timeout: float = PROBE_SECONDS) -> Worker:
         raise LlamaCppError(f"worker {endpoint} cannot be reached: {reason}") from None
     if devices == 0:
         raise LlamaCppError(f"worker {endpoint} serves no device")
-    return Worker(endpoint, version, devices, free, total, round_trip)  # type: ignore[arg-type]
+    beats = heartbeat.answers(endpoint, timeout=min(timeout, max(1.0, 10 * round_trip)))
+    return Worker(endpoint, version, devices, free, total, round_trip, beats)  # type: ignore[arg-type]
 
 
 class _Malformed(Exception):
@@ -204,14 +209,17 @@ class Placement:
         LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's connections to the
         workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes.
         Keep-alive probes every second while a pass waits for a worker's answer give the timeout
-        something to wait for even when this side has nothing left to send. And Ctrl-C ends a pass that
-        a worker never answers (`_cut_on_interrupt`)."""
+        something to wait for even when this side has nothing left to send. A worker that answers
+        heartbeats and stops answering them for heartbeat.LOST_AFTER seconds during a pass (stopped,
+        hung, cut off behind something that still acknowledges) ends the pass too (`_watch_heartbeats`).
+        And Ctrl-C ends a pass that a worker never answers (`_cut_on_interrupt`)."""
         for sock in _connections(tuple(w.endpoint for w in self.workers)):
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LOST_AFTER_MS)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        _watch_heartbeats([w.endpoint for w in self.workers if w.heartbeat])
         _cut_on_interrupt()
 
     def record(self) -> dict:
@@ -220,7 +228,7 @@ class Placement:
             "placement": self.describe(),
             "workers": [
                 {"endpoint": w.endpoint, "layers": [b.start, b.stop - 1], "round_trip_ms": w.round_trip * 1e3,
-                 "free_bytes": w.free, "protocol": ".".join(map(str, w.version))}
+                 "free_bytes": w.free, "protocol": ".".join(map(str, w.version)), "heartbeat": w.heartbeat}
                 for w, b in zip(self.workers, self.blocks, strict=True)
             ],
         }  # fmt: skip
@@ -364,6 +372,7 @@ def _connections(endpoints: tuple[str, ...]) -> Iterator[socket.socket]:
 
 _passes = 0  # passes on workers in flight (`pass_on_workers`)
 _interrupted = False
+_lost: str | None = None  # the worker whose heartbeats stopped during a pass
 INTERRUPT_GRACE = 2.0  # seconds a pass on workers may take to end after Ctrl-C before its connections are cut
 
 
@@ -376,6 +385,35 @@ def pass_on_workers() -> Iterator[None]:
         yield
     finally:
         _passes -= 1
+
+
+def _cut_connections() -> None:
+    """Shut down this process's connections to every worker a model here is on: ggml-rpc, waiting on
+    one of them, then aborts (`_end_in_one_line_on_abort`)."""
+    for sock in _connections(tuple(_ANSWERED)):
+        with sock, contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+_WATCH: heartbeat.Watch | None = None
+
+
+def _watch_heartbeats(endpoints: list[str]) -> None:
+    """Watch the heartbeats of the workers at `endpoints` during passes; cut the connections when one
+    stops answering."""
+    global _WATCH
+
+    def on_lost(endpoint: str) -> None:
+        global _lost
+        _lost = endpoint
+        _cut_connections()
+
+    if not endpoints:
+        return
+    if _WATCH is None:
+        _WATCH = heartbeat.Watch(in_pass=lambda: _passes > 0, on_lost=on_lost)
+    for endpoint in endpoints:
+        _WATCH.add(endpoint)
 
 
 _WAKEUP: socket.socket | None = None
@@ -414,9 +452,7 @@ def _cut_on_interrupt() -> None:
                 time.sleep(0.05)
             if _passes:
                 _interrupted = True
-                for sock in _connections(tuple(_ANSWERED)):  # every worker a model here is on
-                    with sock, contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
+                _cut_connections()
                 return
 
     threading.Thread(target=watch, name="specexec-rpc-interrupt", daemon=True).start()
@@ -439,6 +475,13 @@ def _end_in_one_line_on_abort() -> None:
             sys.stderr.write("specexec: interrupted\n")
             sys.stderr.flush()
             os._exit(128 + signal.SIGINT)
+        if _lost is not None:
+            sys.stderr.write(
+                f"specexec: error: RPC worker {_lost} answered no heartbeat for {heartbeat.LOST_AFTER:g} s "
+                "during a pass (stopped, hung or cut off); restart it, then specexec\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
         said = message.decode("utf-8", "replace").split(": ", 1)[-1].strip()  # less the source file:line
         if "RPC" in said or "connect" in said.lower():
             said = f"lost the connection to an RPC worker ({said}); restart it, then specexec"
