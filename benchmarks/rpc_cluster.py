@@ -5,7 +5,11 @@ it.
 
 An emulation, not a network: the kernel here has no netem, so the delay and the bandwidth are applied in
 user space, per connection and direction (a chunk leaves when the link is free, takes size / rate on
-the wire, and arrives `delay` later). The workers share this machine's cores with the client.
+the wire, and arrives `delay` later). The workers share this machine's cores with the client, unless
+--pin gives them CPUs of their own, as separate machines would have: the bench the first half of the CPUs
+this process may use, the workers the rest (on 2 cores, one each: then --threads 1 --worker-threads 1, or
+llama.cpp's threads spin against each other). The workers take turns on theirs: a pass goes through
+them one after the other.
 
     python benchmarks/rpc_cluster.py --workers 2 --delay-ms 10 --mbit 200 --worker-threads 2 -- \\
         --prompts humaneval --n-prompts 4 --max-new-tokens 64 --threads 2 --out OUT
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import os
 import socket
 import subprocess
 import sys
@@ -115,13 +120,21 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def cluster(
-    workers: int, threads: int, delay: float, rate: float, options: tuple[str, ...] = ()
+    workers: int,
+    threads: int,
+    delay: float,
+    rate: float,
+    options: tuple[str, ...] = (),
+    cpus: set[int] | None = None,
 ) -> Iterator[str]:
-    """`workers` workers (`specexec worker` with `options`) behind delay proxies; yields the --rpc value
-    that reaches them."""
+    """`workers` workers (`specexec worker` with `options`, on `cpus` if given) behind delay proxies;
+    yields the --rpc value that reaches them."""
     ports = [free_port() for _ in range(workers)]
     worker = [sys.executable, "-m", "specexec.cli", "worker", "--threads", str(threads), *options]
-    started = [subprocess.Popen([*worker, "--port", str(port)], stdout=subprocess.DEVNULL) for port in ports]
+    started = [
+        subprocess.Popen([*worker, "--port", str(port)], stdout=subprocess.DEVNULL, preexec_fn=_on(cpus))
+        for port in ports
+    ]
     proxies: list[DelayProxy] = []
     try:
         for port in ports:
@@ -144,26 +157,49 @@ def cluster(
             worker.wait()
 
 
+def _on(cpus: set[int] | None):
+    """What runs a child on `cpus` (None: wherever the OS puts it)."""
+    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+
+
+def split_cpus() -> tuple[set[int], set[int]]:
+    """The CPUs this process may use, halved: the bench's, then the workers'."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("rpc_cluster: --pin needs 2 CPUs at least")
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-threads", type=int, default=2)
     parser.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay of every link")
     parser.add_argument("--mbit", type=float, default=1000.0, help="each link's bandwidth, each way")
+    parser.add_argument(
+        "--pin", action="store_true", help="the bench and the workers on CPUs of their own (halves)"
+    )
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then `specexec bench`'s arguments")
     args = parser.parse_args()
     bench = [a for a in args.bench if a != "--"]
     options = ("--batch-invariant",) if "--batch-invariant" in bench else ()  # the bench checks the workers
     link = (args.delay_ms / 1e3, args.mbit * 1e6 / 8)
-    with cluster(args.workers, args.worker_threads, *link, options) as endpoints:
+    bench_cpus, worker_cpus = split_cpus() if args.pin else (None, None)
+    with cluster(args.workers, args.worker_threads, *link, options, worker_cpus) as endpoints:
         link = f"{args.delay_ms:g} ms one-way, {args.mbit:g} Mbit/s"
+        pinned = (
+            f"; the bench on CPUs {sorted(bench_cpus)}, the workers on {sorted(worker_cpus)}"
+            if args.pin
+            else ""
+        )
         print(
-            f"rpc_cluster: {args.workers} workers behind {link}: --rpc {endpoints}",
+            f"rpc_cluster: {args.workers} workers behind {link}: --rpc {endpoints}{pinned}",
             file=sys.stderr,
             flush=True,
         )
         command = [sys.executable, "-m", "specexec.cli", "bench", "--rpc", endpoints, *bench]
-        return subprocess.run(command).returncode
+        return subprocess.run(command, preexec_fn=_on(bench_cpus)).returncode
 
 
 if __name__ == "__main__":

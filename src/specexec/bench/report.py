@@ -214,6 +214,14 @@ def cpu_instruction_sets() -> str:
     return " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + ", ".join(SIMD_FLAGS)
 
 
+def _allowed(machine: dict) -> str:
+    """', this run on CPUs ...' where the bench ran on fewer CPUs than the machine has."""
+    allowed = machine.get("cpus_allowed")
+    if not allowed or len(allowed) == machine.get("cpu_count"):
+        return ""
+    return f", this run on CPU{'s' if len(allowed) > 1 else ''} {','.join(map(str, allowed))}"
+
+
 def machine_info(
     *,
     dtype: str,
@@ -243,6 +251,9 @@ def machine_info(
         "cpu_model": _cpu_model(),
         "cpu_instruction_sets": cpu_instruction_sets(),
         "cpu_count": os.cpu_count(),
+        "cpus_allowed": sorted(
+            os.sched_getaffinity(0)
+        ),  # fewer than cpu_count when pinned (rpc_cluster --pin)
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
         "platform": platform.platform(),
@@ -380,7 +391,7 @@ def markdown(rows: Sequence[dict], machine: dict, *, plots: bool = True) -> str:
     lines += _notes(rows, machine)
     lines += [
         "",
-        f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs, {m('cpu_instruction_sets')}, "
+        f"Machine: {m('cpu_model')} ({m('cpu_count')} CPUs{_allowed(machine)}, {m('cpu_instruction_sets')}, "
         f"{m('torch_threads')} threads){gpu}; backend {m('backend')}{_kernels(machine)}; "
         f"{m('platform')}; Python {m('python')}, torch {m('torch')}, transformers {m('transformers')}, "
         f"specexec {m('specexec')}; {m('date')}.",
