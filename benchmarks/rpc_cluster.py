@@ -88,13 +88,42 @@ class DelayLink:
 
 
 class DelayProxy:
-    """Listens on 127.0.0.1 (`port`) and links every connection to `target` through two DelayLinks."""
+    """Listens on 127.0.0.1 (`port`) and links every connection to `target` through two DelayLinks; relays
+    the worker's heartbeats (UDP, the same port numbers) `delay` late each way."""
 
     def __init__(self, target: tuple[str, int], delay: float, rate: float) -> None:
         self.target, self.delay, self.rate = target, delay, rate
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
+        self.beats = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.beats.bind(("127.0.0.1", self.port))
+        self.upstream_beats = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.upstream_beats.connect(target)
         threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._relay_beats, daemon=True).start()
+
+    def _relay_beats(self) -> None:
+        """Each question to the worker, each answer back to whoever asked last."""
+        asker = None
+
+        def answer() -> None:
+            while True:
+                try:
+                    data = self.upstream_beats.recv(64)
+                except ConnectionRefusedError:
+                    continue  # the worker gone: no answer
+                except OSError:
+                    return
+                if asker is not None:
+                    _later(self.delay, self.beats.sendto, data, asker)
+
+        threading.Thread(target=answer, daemon=True).start()
+        while True:
+            try:
+                data, asker = self.beats.recvfrom(64)
+            except OSError:
+                return
+            _later(self.delay, self.upstream_beats.send, data)
 
     def _accept(self) -> None:
         while True:
@@ -110,6 +139,18 @@ class DelayProxy:
 
     def close(self) -> None:
         self.server.close()
+        self.beats.close()
+        self.upstream_beats.close()
+
+
+def _later(delay: float, send, *args) -> None:
+    """`send(*args)` `delay` seconds from now, on a timer's thread; nothing if the socket closed meanwhile."""
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            send(*args)
+
+    threading.Timer(delay, run).start()
 
 
 def free_port() -> int:
