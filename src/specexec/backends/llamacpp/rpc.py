@@ -81,9 +81,7 @@ class Worker:
     free: int  # bytes of memory its first device has free
     total: int
     round_trip: float  # seconds, the fastest of its small requests
-    heartbeat: bool = (
-        False  # whether it answers heartbeats (`specexec worker` does; llama.cpp's rpc-server not)
-    )
+    heartbeat: bool = False  # answers heartbeats (`specexec worker`; llama.cpp's rpc-server does not)
 
 
 def probe(endpoint: str, timeout: float = PROBE_SECONDS) -> Worker:
