@@ -5,6 +5,7 @@ negative control."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -324,63 +325,63 @@ def test_a_worker_killed_mid_generation_ends_it_in_one_line_and_a_restarted_one_
     assert again.returncode == 0 and again.stdout.splitlines() == ["loaded", "done"], again.stderr
 
 
-def test_ctrl_c_ends_a_pass_that_a_stopped_worker_never_answers(ggufs, tmp_path: Path) -> None:
-    """A stopped worker (SIGSTOP) keeps its connection, and its kernel acknowledges what is sent, so a
-    pass waits on it until its heartbeats are missed (below): the negative control, the generation still
-    waiting seconds later. Ctrl-C (SIGINT) ends it sooner, in one line, with status 130."""
+@contextlib.contextmanager
+def stopped_mid_generation(
+    gguf: Path, tmp_path: Path, after: float = 1.0
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A process generating on one worker, and the worker stopped (SIGSTOP) `after` seconds after the
+    model loaded: the process and the worker's endpoint. The worker is continued and killed after."""
     script = tmp_path / "generate.py"
     script.write_text(GENERATE)
     port = free_port()
     worker = start_worker(port)
     child = subprocess.Popen(
-        [sys.executable, str(script), str(ggufs[0]), f"127.0.0.1:{port}", "100000"],
+        [sys.executable, str(script), str(gguf), f"127.0.0.1:{port}", "100000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert child.stdout.readline() == "loaded\n"
-        time.sleep(1.0)  # generating
+        time.sleep(after)
         worker.send_signal(signal.SIGSTOP)
+        yield child, f"127.0.0.1:{port}"
+    finally:
+        child.kill()
+        worker.send_signal(signal.SIGCONT)
+        stop(worker)
+
+
+def test_ctrl_c_ends_a_pass_that_a_stopped_worker_never_answers(ggufs, tmp_path: Path) -> None:
+    """A stopped worker keeps its connection, and its kernel acknowledges what is sent, so a pass waits on
+    it until its heartbeats are missed (below): the negative control, the generation still waiting seconds
+    later. Ctrl-C (SIGINT) ends it sooner, in one line, with status 130."""
+    with stopped_mid_generation(ggufs[0], tmp_path) as (child, _):
         with pytest.raises(subprocess.TimeoutExpired):
             child.wait(timeout=rpc.INTERRUPT_GRACE)
         child.send_signal(signal.SIGINT)
         interrupted = time.monotonic()
         child.wait(timeout=30)
         assert time.monotonic() - interrupted < heartbeat.LOST_AFTER - 2 * rpc.INTERRUPT_GRACE
-    finally:
-        child.kill()
-        worker.send_signal(signal.SIGCONT)
-        stop(worker)
     assert child.returncode == 130
     assert child.stderr.read().strip() == "specexec: interrupted"
 
 
-def test_a_worker_that_stops_answering_heartbeats_ends_the_pass_in_one_line(ggufs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("after", [0.0, 1.0])
+def test_a_worker_that_stops_answering_heartbeats_ends_the_generation_in_one_line(
+    after: float, ggufs, tmp_path: Path
+) -> None:
     """A stopped worker, no Ctrl-C: its heartbeats missed for heartbeat.LOST_AFTER seconds end the
-    generation in one line, with status 1 (before heartbeats, it waited for good: the test above)."""
-    script = tmp_path / "generate.py"
-    script.write_text(GENERATE)
-    port = free_port()
-    worker = start_worker(port)
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(ggufs[0]), f"127.0.0.1:{port}", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert child.stdout.readline() == "loaded\n"
-        time.sleep(1.0)  # generating
-        worker.send_signal(signal.SIGSTOP)
+    generation in one line, with status 1 (before heartbeats, it waited for good: the test above),
+    whether the worker stopped as the first context was made on it (`after` 0: a call that is not a
+    pass, which once went unwatched) or while it generated."""
+    with stopped_mid_generation(ggufs[0], tmp_path, after) as (child, endpoint):
         stopped = time.monotonic()
         child.wait(timeout=60)
         waited = time.monotonic() - stopped
-    finally:
-        child.kill()
-        worker.send_signal(signal.SIGCONT)
-        stop(worker)
     assert heartbeat.LOST_AFTER - heartbeat.EVERY <= waited < heartbeat.LOST_AFTER + 5
     assert child.returncode == 1
     assert child.stderr.read().strip() == (
-        f"specexec: error: RPC worker 127.0.0.1:{port} answered no heartbeat for 10 s during a pass "
-        "(stopped, hung or cut off); restart it, then specexec"
+        f"specexec: error: RPC worker {endpoint} answered no heartbeat for 10 s (stopped, hung or cut "
+        "off); restart it, then specexec"
     )
 
 
@@ -402,22 +403,22 @@ class heartbeats:
 
 
 def test_heartbeats_keep_a_busy_worker_and_give_up_a_silent_one_during_passes_only() -> None:
-    """The watch on its own, with a worker whose answers the test turns on and off: silence between passes
-    does not count, answers during a long pass keep the worker, silence during a pass gives it up after
-    `lost_after` seconds, and only that worker."""
+    """The watch on its own, with a worker whose answers the test turns on and off: silence between calls
+    on the workers does not count, answers during a long call (a pass) keep the worker, silence during a
+    call gives it up after `lost_after` seconds, and only that worker."""
     silent, steady = heartbeats(), heartbeats()
     steady.answering.set()
-    in_pass = threading.Event()
+    in_call = threading.Event()
     lost: list[tuple[str, float]] = []
     watch = heartbeat.Watch(
-        in_pass.is_set, lambda e: lost.append((e, time.monotonic())), lost_after=0.6, every=0.1
+        in_call.is_set, lambda e: lost.append((e, time.monotonic())), lost_after=0.6, every=0.1
     )
     watch.add(silent.endpoint)
     watch.add(steady.endpoint)
-    time.sleep(1.5)  # between passes, silent
+    time.sleep(1.5)  # between calls, silent
     assert lost == []
     silent.answering.set()
-    in_pass.set()
+    in_call.set()
     time.sleep(1.5)  # a long pass, answered
     assert lost == []
     silent.answering.clear()

@@ -1,10 +1,11 @@
 """Heartbeats between a client and its RPC workers, beside llama.cpp's RPC protocol, which has none.
 
 A worker that is stopped, hung or cut off behind a proxy keeps its TCP connection, and something still
-acknowledges what is sent to it, so a pass waiting on it would wait for good. `specexec worker` therefore
+acknowledges what is sent to it, so a call waiting on it would wait for good. `specexec worker` therefore
 answers small UDP datagrams on the port number its RPC server listens on (`answer`), from a thread that
-runs while the server computes; a client (`Watch`) asks every worker every second while a pass is on the
-workers, and takes one that has answered nothing for LOST_AFTER seconds for gone. A worker that answers no
+runs while the server computes; a client (`Watch`) asks every worker every second while a call into
+llama.cpp waits on the workers (a pass, the cache copied or cleared), and takes one that has answered
+nothing for LOST_AFTER seconds for gone. A worker that answers no
 heartbeat at load (llama.cpp's own rpc-server, a TCP-only proxy, a firewall) is not watched.
 
 A datagram is _ASK or _ANSWER followed by the asker's 8-byte count; the answer is as long as the question.
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-LOST_AFTER = 10.0  # seconds without an answer, while a pass waits on the workers, before a worker is gone
+LOST_AFTER = 10.0  # seconds without an answer, while a call waits on the workers, before a worker is gone
 EVERY = 1.0  # seconds between questions
 _ASK = b"specexec worker?"
 _ANSWER = b"specexec worker!"
@@ -70,18 +71,18 @@ def _socket(endpoint: str) -> socket.socket:
 
 
 class Watch:
-    """While `in_pass()`, ask each watched worker for a heartbeat every `every` seconds; call
+    """While `in_call()`, ask each watched worker for a heartbeat every `every` seconds; call
     `on_lost(endpoint)` once, and stop, when one has answered nothing for `lost_after` seconds. Between
-    passes nothing is asked, and silence does not count."""
+    calls nothing is asked, and silence does not count."""
 
     def __init__(
         self,
-        in_pass: Callable[[], bool],
+        in_call: Callable[[], bool],
         on_lost: Callable[[str], None],
         lost_after: float = LOST_AFTER,
         every: float = EVERY,
     ) -> None:
-        self.in_pass, self.on_lost = in_pass, on_lost
+        self.in_call, self.on_lost = in_call, on_lost
         self.lost_after, self.every = lost_after, every
         self._sockets: dict[str, socket.socket] = {}
         self._heard: dict[str, float] = {}
@@ -107,7 +108,7 @@ class Watch:
             for endpoint, sock in watched.items():
                 if self._answered(sock):
                     self._heard[endpoint] = now
-            if not self.in_pass():
+            if not self.in_call():
                 self._heard.update(dict.fromkeys(watched, now))
                 continue
             lost = [endpoint for endpoint in watched if now - self._heard[endpoint] > self.lost_after]

@@ -22,6 +22,7 @@ llama.cpp aborts the whole process on some bad arguments (a batch above `n_batch
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -159,13 +160,20 @@ class LlamaCppModel:
         ones freed). Its cells are emptied and zeroed, as in a new context (a value left in an unused
         cell is masked out, but a NaN there would not be)."""
         llama_cpp = self._llama_cpp
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        with self.on_workers():
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         with self._spares_lock:
             self._spares.append(((capacity, sequences), ctx))
             excess = max(0, len(self._spares) - SPARE_CONTEXTS)
             dropped, self._spares = self._spares[:excess], self._spares[excess:]
-        for _, old in dropped:
-            llama_cpp.llama_free(old)
+        with self.on_workers():
+            for _, old in dropped:
+                llama_cpp.llama_free(old)
+
+    def on_workers(self) -> contextlib.AbstractContextManager:
+        """What a call into llama.cpp that may wait on this model's RPC workers runs within: one that a
+        worker's missed heartbeats or Ctrl-C may end (`rpc.on_workers`)."""
+        return rpc.on_workers() if getattr(self, "workers", None) is not None else contextlib.nullcontext()
 
     def memory(self) -> WeightsMemory | None:
         """What stays in RAM and what streams, when `ram` made part of the weights stream."""
@@ -220,14 +228,16 @@ class LlamaCppModel:
     def _free(self) -> None:
         if getattr(self, "workers", None) is not None and rpc.exiting():
             return
-        for _, ctx in getattr(self, "_spares", []):
-            self._llama_cpp.llama_free(ctx)  # contexts before the model they were made from
+        with self.on_workers():
+            for _, ctx in getattr(self, "_spares", []):
+                self._llama_cpp.llama_free(ctx)  # contexts before the model they were made from
         self._spares = []
         if getattr(self, "stream", None) is not None:
             self.stream.close()
             self.stream = None
         if getattr(self, "handle", None):
-            self._llama_cpp.llama_model_free(self.handle)
+            with self.on_workers():
+                self._llama_cpp.llama_model_free(self.handle)
             self.handle = None
 
 

@@ -208,9 +208,10 @@ class Placement:
         workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes.
         Keep-alive probes every second while a pass waits for a worker's answer give the timeout
         something to wait for even when this side has nothing left to send. A worker that answers
-        heartbeats and stops answering them for heartbeat.LOST_AFTER seconds during a pass (stopped,
-        hung, cut off behind something that still acknowledges) ends the pass too (`_watch_heartbeats`).
-        And Ctrl-C ends a pass that a worker never answers (`_cut_on_interrupt`)."""
+        heartbeats and stops answering them for heartbeat.LOST_AFTER seconds while a call waits on the
+        workers (`on_workers`: stopped, hung, cut off behind something that still acknowledges) ends the
+        call too (`_watch_heartbeats`). And Ctrl-C ends such a call that a worker never answers
+        (`_cut_on_interrupt`)."""
         for sock in _connections(tuple(w.endpoint for w in self.workers)):
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LOST_AFTER_MS)
@@ -368,21 +369,23 @@ def _connections(endpoints: tuple[str, ...]) -> Iterator[socket.socket]:
         sock.close()
 
 
-_passes = 0  # passes on workers in flight (`pass_on_workers`)
+_calls = 0  # calls into llama.cpp that may wait on the workers, in flight (`on_workers`)
 _interrupted = False
-_lost: str | None = None  # the worker whose heartbeats stopped during a pass
-INTERRUPT_GRACE = 2.0  # seconds a pass on workers may take to end after Ctrl-C before its connections are cut
+_lost: str | None = None  # the worker whose heartbeats stopped during a call
+INTERRUPT_GRACE = 2.0  # seconds a call on workers may take to end after Ctrl-C before its connections are cut
 
 
 @contextlib.contextmanager
-def pass_on_workers() -> Iterator[None]:
-    """Around a llama_decode of a model on workers: a pass that Ctrl-C may end by cutting its connections."""
-    global _passes
-    _passes += 1
+def on_workers() -> Iterator[None]:
+    """Around a call into llama.cpp that may wait on a model's workers (a pass, the cache copied or
+    cleared, a context made or freed): one that a worker's missed heartbeats or Ctrl-C may end by cutting
+    the connections."""
+    global _calls
+    _calls += 1
     try:
         yield
     finally:
-        _passes -= 1
+        _calls -= 1
 
 
 def _cut_connections() -> None:
@@ -397,8 +400,8 @@ _WATCH: heartbeat.Watch | None = None
 
 
 def _watch_heartbeats(endpoints: list[str]) -> None:
-    """Watch the heartbeats of the workers at `endpoints` during passes; cut the connections when one
-    stops answering."""
+    """Watch the heartbeats of the workers at `endpoints` during calls on them; cut the connections when
+    one stops answering."""
     global _WATCH
 
     def on_lost(endpoint: str) -> None:
@@ -409,7 +412,7 @@ def _watch_heartbeats(endpoints: list[str]) -> None:
     if not endpoints:
         return
     if _WATCH is None:
-        _WATCH = heartbeat.Watch(in_pass=lambda: _passes > 0, on_lost=on_lost)
+        _WATCH = heartbeat.Watch(in_call=lambda: _calls > 0, on_lost=on_lost)
     for endpoint in endpoints:
         _WATCH.add(endpoint)
 
@@ -418,13 +421,13 @@ _WAKEUP: socket.socket | None = None
 
 
 def _cut_on_interrupt() -> None:
-    """Let Ctrl-C end a pass that a worker never answers (a stopped or hung worker: it keeps the
-    connection, and its kernel acknowledges what is sent). Python runs its SIGINT handler only once
-    llama_decode returns, which it then never does; so where this process takes SIGINT as Python's
-    KeyboardInterrupt (its main thread, the default handler, no other wake-up descriptor such as an event
-    loop's), the signal also wakes a thread here, and if a pass on workers has not ended INTERRUPT_GRACE
-    seconds later, the thread cuts the connections to the workers: ggml-rpc then aborts, and the abort
-    callback says `specexec: interrupted` and exits with 130. Installed once."""
+    """Let Ctrl-C end a call on the workers (`on_workers`) that a worker never answers (a stopped or hung
+    worker: it keeps the connection, and its kernel acknowledges what is sent). Python runs its SIGINT
+    handler only once the call returns, which it then never does; so where this process takes SIGINT as
+    Python's KeyboardInterrupt (its main thread, the default handler, no other wake-up descriptor such as
+    an event loop's), the signal also wakes a thread here, and if a call on workers has not ended
+    INTERRUPT_GRACE seconds later, the thread cuts the connections to the workers: ggml-rpc then aborts,
+    and the abort callback says `specexec: interrupted` and exits with 130. Installed once."""
     global _WAKEUP
     if _WAKEUP is not None or threading.current_thread() is not threading.main_thread():
         return
@@ -443,12 +446,12 @@ def _cut_on_interrupt() -> None:
     def watch() -> None:
         global _interrupted
         while True:
-            if signal.SIGINT not in read.recv(64) or not _passes:
+            if signal.SIGINT not in read.recv(64) or not _calls:
                 continue
             deadline = time.monotonic() + INTERRUPT_GRACE
-            while _passes and time.monotonic() < deadline:
+            while _calls and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if _passes:
+            if _calls:
                 _interrupted = True
                 _cut_connections()
                 return
@@ -469,14 +472,14 @@ def _end_in_one_line_on_abort() -> None:
 
     @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
     def on_abort(message: bytes) -> None:
-        if _interrupted:  # Ctrl-C cut the connections of a pass a worker did not answer
+        if _interrupted:  # Ctrl-C cut the connections of a call a worker did not answer
             sys.stderr.write("specexec: interrupted\n")
             sys.stderr.flush()
             os._exit(128 + signal.SIGINT)
         if _lost is not None:
             sys.stderr.write(
                 f"specexec: error: RPC worker {_lost} answered no heartbeat for {heartbeat.LOST_AFTER:g} s "
-                "during a pass (stopped, hung or cut off); restart it, then specexec\n"
+                "(stopped, hung or cut off); restart it, then specexec\n"
             )
             sys.stderr.flush()
             os._exit(1)

@@ -63,6 +63,8 @@ class RunnerModel(Protocol):
 
     def embed(self, tokens: list[int]) -> np.ndarray: ...
 
+    def on_workers(self) -> contextlib.AbstractContextManager: ...
+
 
 class LlamaCppRunner(SlotRunner):
     """Drives one `LlamaCppModel` over its own llama.cpp context: `extend`, `forward_tree`, `keep`,
@@ -87,8 +89,6 @@ class LlamaCppRunner(SlotRunner):
         self.batch = llama_cpp.llama_batch_init(BATCH, embedded, MAX_SEQUENCES)
         self.slots: dict[int, _Slot] = {}
         self.dropped = 0  # cells `_drop_cells` kept taken since the cache was last laid out
-        # What a pass runs within: over RPC, one that Ctrl-C may end (`rpc.pass_on_workers`).
-        self._in_pass = rpc.pass_on_workers if model.workers is not None else contextlib.nullcontext
         self._reset_sequences()
 
     def __del__(self) -> None:
@@ -304,12 +304,17 @@ class LlamaCppRunner(SlotRunner):
         """Move to a new context of `capacity` slots and `sequences` sequences, with sequence 0's cells
         copied into it (the other sequences must be empty)."""
         llama_cpp = self.llama_cpp
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
-        state = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
-        ctx = self._new_context(capacity, sequences)
-        if (self.length or self.slots) and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
-            llama_cpp.llama_free(ctx)
+        with self.model.on_workers():  # the cache read from the workers and written to them
+            size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+            state = (ctypes.c_uint8 * size)()
+            written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
+            ctx = self._new_context(capacity, sequences)
+            copied = not (self.length or self.slots) or llama_cpp.llama_state_seq_set_data(
+                ctx, state, written, 0
+            )
+            if not copied:
+                llama_cpp.llama_free(ctx)
+        if not copied:
             raise LlamaCppError("llama.cpp could not copy the KV cache into a new context")
         self.model.give_context(self.ctx, self.capacity, self.sequences)
         self.ctx, self.memory = ctx, llama_cpp.llama_get_memory(ctx)
@@ -345,7 +350,7 @@ class LlamaCppRunner(SlotRunner):
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
             params.type_k = params.type_v = GGML_TYPE_Q8_0
         note_context()
-        with rpc.graph_reuse_off(self.model.workers is not None):
+        with rpc.graph_reuse_off(self.model.workers is not None), self.model.on_workers():
             ctx = llama_cpp.llama_init_from_model(self.model.handle, params)
         if not ctx:
             raise LlamaCppError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
@@ -383,15 +388,17 @@ class LlamaCppRunner(SlotRunner):
             batch.n_tokens = count
             if streamer is not None:
                 streamer.begin()
-            with self._in_pass():
+            with self.model.on_workers():  # llama_get_logits waits for the pass too
                 status = llama_cpp.llama_decode(self.ctx, batch)
+                if status == 0 and outputs:
+                    rows_out = llama_cpp.llama_get_logits(self.ctx)
             if streamer is not None:
                 streamer.end()
             if status != 0:
                 raise LlamaCppError(f"llama_decode failed with status {status} (KV cache full or bad batch)")
             if outputs:
                 out[filled : filled + outputs] = np.ctypeslib.as_array(
-                    llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.model.head_rows)
+                    rows_out, shape=(outputs, self.model.head_rows)
                 )  # (outputs, V')
                 filled += outputs
         self.forward_seconds += clock(CPU) - start
@@ -410,11 +417,13 @@ class LlamaCppRunner(SlotRunner):
         """Lay sequence 0's cells out again in position order from cell 0, as plain decoding leaves them,
         and free the dropped cells (`_drop_cells`). Only between trees: every other sequence is empty."""
         llama_cpp = self.llama_cpp
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
-        state = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
-        llama_cpp.llama_memory_clear(self.memory, False)  # every cell free: placed from cell 0 on
-        if llama_cpp.llama_state_seq_set_data(self.ctx, state, written, 0) == 0:
+        with self.model.on_workers():  # the cache read from the workers and written to them
+            size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+            state = (ctypes.c_uint8 * size)()
+            written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
+            llama_cpp.llama_memory_clear(self.memory, False)  # every cell free: placed from cell 0 on
+            laid_out = llama_cpp.llama_state_seq_set_data(self.ctx, state, written, 0)
+        if laid_out == 0:
             raise LlamaCppError("llama.cpp could not lay the KV cache out again")
         self.dropped = 0
 
