@@ -251,9 +251,8 @@ def machine_info(
         "cpu_model": _cpu_model(),
         "cpu_instruction_sets": cpu_instruction_sets(),
         "cpu_count": os.cpu_count(),
-        "cpus_allowed": sorted(
-            os.sched_getaffinity(0)
-        ),  # fewer than cpu_count when pinned (rpc_cluster --pin)
+        # The CPUs this run could use: fewer than cpu_count when pinned (rpc_cluster --pin).
+        "cpus_allowed": sorted(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
         "platform": platform.platform(),

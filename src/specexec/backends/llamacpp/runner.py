@@ -309,12 +309,11 @@ class LlamaCppRunner(SlotRunner):
             state = (ctypes.c_uint8 * size)()
             written = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0)
             ctx = self._new_context(capacity, sequences)
-            copied = not (self.length or self.slots) or llama_cpp.llama_state_seq_set_data(
-                ctx, state, written, 0
-            )
-            if not copied:
+            cached = self.length or self.slots
+            if cached and llama_cpp.llama_state_seq_set_data(ctx, state, written, 0) == 0:
                 llama_cpp.llama_free(ctx)
-        if not copied:
+                ctx = None
+        if ctx is None:
             raise LlamaCppError("llama.cpp could not copy the KV cache into a new context")
         self.model.give_context(self.ctx, self.capacity, self.sequences)
         self.ctx, self.memory = ctx, llama_cpp.llama_get_memory(ctx)
