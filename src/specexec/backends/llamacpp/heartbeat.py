@@ -5,8 +5,8 @@ acknowledges what is sent to it, so a call waiting on it would wait for good. `s
 answers small UDP datagrams on the port number its RPC server listens on (`answer`), from a thread that
 runs while the server computes; a client (`Watch`) asks every worker every second while a call into
 llama.cpp waits on the workers (a pass, the cache copied or cleared), and takes one that has answered
-nothing for LOST_AFTER seconds for gone. A worker that answers no
-heartbeat at load (llama.cpp's own rpc-server, a TCP-only proxy, a firewall) is not watched.
+nothing for LOST_AFTER seconds for gone. A worker that answers no heartbeat at load (llama.cpp's own
+rpc-server, a TCP-only proxy, a firewall) is not watched.
 
 A datagram is _ASK or _ANSWER followed by the asker's 8-byte count; the answer is as long as the question.
 """
