@@ -108,7 +108,7 @@ def test_the_backend_loads_without_extra_buffers_where_the_check_fails(
     else:
         (line,) = [line for line in err.splitlines() if line.startswith("specexec:")]
         assert "the check died of SIGILL" in line and "without them" in line
-        assert "llama_cpp_amx.cmake" in line and "--force-reinstall --no-cache-dir" in line
+        assert "llama_cpp_build.cmake" in line and "--force-reinstall --no-cache-dir" in line
         LlamaCppModel(gguf, threads=1)  # a second model: the same answer, no second line
         assert "specexec:" not in capsys.readouterr().err
 

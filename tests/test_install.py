@@ -1,5 +1,6 @@
-"""The README's two commands, CI's command, and the build fix they hand llama-cpp-python
-(src/specexec/backends/llamacpp/llama_cpp_amx.cmake), tried on a small CMake project shaped like ggml's."""
+"""The README's two commands, CI's command, and the build fixes they hand llama-cpp-python
+(src/specexec/backends/llamacpp/llama_cpp_build.cmake), each tried on a small CMake project shaped like
+ggml's."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INCLUDE = ROOT / "src" / "specexec" / "backends" / "llamacpp" / "llama_cpp_amx.cmake"
+INCLUDE = ROOT / "src" / "specexec" / "backends" / "llamacpp" / "llama_cpp_build.cmake"
 INSTALL = ROOT / "install.sh"
 BUILD_ARGS = (
     'export CMAKE_ARGS="-DGGML_RPC=ON '
-    '-DCMAKE_PROJECT_INCLUDE=$PWD/src/specexec/backends/llamacpp/llama_cpp_amx.cmake"'
+    '-DCMAKE_PROJECT_INCLUDE=$PWD/src/specexec/backends/llamacpp/llama_cpp_build.cmake"'
 )
 
 
@@ -41,8 +42,9 @@ def test_both_commands_install_through_install_sh_which_builds_llama_cpp_with_rp
     script = INSTALL.read_text()
     assert BUILD_ARGS in script.splitlines()
     assert "torch==2.13.0" in script  # the CPU build, always pinned
-    # An installed or cached build without the RPC backend is rebuilt from source.
+    # An installed or cached build without the RPC backend or its fix is rebuilt from source.
     assert "libggml-rpc.so" in script and "--force-reinstall --no-cache-dir --no-deps" in script
+    assert "b'specexec_graph_reuse_safe' in rpc.read_bytes()" in script
 
 
 def test_install_sh_refuses_an_unknown_target_in_one_line() -> None:
@@ -118,3 +120,108 @@ def test_the_build_fix_keeps_the_tile_configuration_in_ggmls_amx_file_only(tmp_p
     if control == fixed:
         pytest.skip(f"this compiler keeps the stores without the fix ({control}): nothing to compare")
     assert control <= 2  # the zeroing of the first 16 bytes and the palette: GCC 12's dropped stores
+
+
+# Shaped like ggml-rpc.cpp where the fix changes it: a worker's device context, a buffer freed on it, the
+# devices made for a worker, the backend's named functions. main() says whether freeing a buffer on worker
+# "a" made the client forget the graph it last sent to "a" (and not to "b"), and whether the fix answers.
+RPC_CLIENT = """
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+struct ggml_backend_rpc_device_context { std::string endpoint; uint32_t device; uint64_t last_graph_uid; };
+struct ggml_backend_rpc_buffer_type_context { std::string endpoint; };
+struct ggml_backend_buffer_type { void * context; };
+struct ggml_backend_buffer { ggml_backend_buffer_type * buft; };
+typedef ggml_backend_buffer * ggml_backend_buffer_t;
+struct ggml_backend_device { void * context; };
+typedef ggml_backend_device * ggml_backend_dev_t;
+
+static void ggml_backend_rpc_buffer_free_buffer(ggml_backend_buffer_t buffer) {
+    (void)buffer;
+}
+
+static ggml_backend_rpc_device_context * add_server(const char * endpoint) {
+    for (uint32_t ind = 0; ind < 1; ind++) {
+        auto * dev_ctx = new ggml_backend_rpc_device_context {endpoint, ind, 7};
+        ggml_backend_dev_t dev = new ggml_backend_device {
+            dev_ctx};
+        return (ggml_backend_rpc_device_context *)dev->context;
+    }
+    return nullptr;
+}
+
+static void * get_proc_address(const char * name) {
+    if (std::strcmp(name, "ggml_backend_rpc_start_server") == 0) {
+        return nullptr;
+    }
+    return nullptr;
+}
+
+int main() {
+    ggml_backend_rpc_device_context * a = add_server("a");
+    ggml_backend_rpc_device_context * b = add_server("b");
+    ggml_backend_rpc_buffer_type_context on_a {"a"};
+    ggml_backend_buffer_type buft {&on_a};
+    ggml_backend_buffer buffer {&buft};
+    ggml_backend_rpc_buffer_free_buffer(&buffer);
+    std::printf("%d %d %d\\n", (int)a->last_graph_uid, (int)b->last_graph_uid,
+                get_proc_address("specexec_graph_reuse_safe") != nullptr);
+}
+"""
+
+
+def _rpc_project(folder: Path, source: str) -> Path:
+    """A project whose `ggml-rpc` target compiles `source` (a program here), configured with the fixes;
+    its build folder."""
+    (folder / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.21)\nproject(top CXX)\nadd_subdirectory(ggml/src/ggml-rpc)\n"
+    )
+    rpc = folder / "ggml" / "src" / "ggml-rpc"
+    rpc.mkdir(parents=True)
+    (rpc / "CMakeLists.txt").write_text("project(ggml CXX)\nadd_executable(ggml-rpc ggml-rpc.cpp)\n")
+    (rpc / "ggml-rpc.cpp").write_text(source)
+    return folder / "build"
+
+
+@pytest.mark.skipif(not all(shutil.which(tool) for tool in ("cmake", "g++")), reason="needs cmake, g++")
+def test_the_rpc_fix_makes_a_freed_buffer_end_graph_reuse_on_its_worker_only(tmp_path: Path) -> None:
+    build = _rpc_project(tmp_path, RPC_CLIENT)
+    configure = subprocess.run(
+        ["cmake", "-S", str(tmp_path), "-B", str(build), f"-DCMAKE_PROJECT_INCLUDE={INCLUDE}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert configure.returncode == 0, configure.stderr
+    assert configure.stdout.count("a freed buffer ends graph reuse on its worker") == 1
+    made = subprocess.run(["cmake", "--build", str(build)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stdout + made.stderr
+    ran = subprocess.run(
+        [str(build / "ggml" / "src" / "ggml-rpc" / "ggml-rpc")], capture_output=True, text=True
+    )
+    assert ran.stdout.split() == ["0", "7", "1"]  # "a" forgot, "b" did not, the fix answers
+    # The negative control: the same source without the fix forgets nothing.
+    control = subprocess.run(
+        ["g++", "-x", "c++", "-", "-o", str(tmp_path / "control")],
+        input=RPC_CLIENT,
+        capture_output=True,
+        text=True,
+    )
+    assert control.returncode == 0, control.stderr
+    ran = subprocess.run([str(tmp_path / "control")], capture_output=True, text=True)
+    assert ran.stdout.split() == ["7", "7", "0"]
+
+
+@pytest.mark.skipif(not shutil.which("cmake"), reason="needs cmake")
+def test_the_rpc_fix_leaves_a_ggml_rpc_it_does_not_know_as_it_is(tmp_path: Path) -> None:
+    source = RPC_CLIENT.replace("static void ggml_backend_rpc_buffer_free_buffer", "static void free_buffer")
+    build = _rpc_project(tmp_path, source)
+    configure = subprocess.run(
+        ["cmake", "-S", str(tmp_path), "-B", str(build), f"-DCMAKE_PROJECT_INCLUDE={INCLUDE}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert configure.returncode == 0, configure.stderr
+    warnings = " ".join(configure.stderr.split())  # CMake wraps them
+    assert "ggml-rpc.cpp is not the one this fix knows: graphs are not reused over RPC" in warnings
+    assert not (build / "specexec").exists()

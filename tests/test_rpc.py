@@ -101,6 +101,70 @@ def test_logits_over_rpc_equal_local_logits(ggufs, rpc_workers, plain_buffers) -
     assert sent > 0 and received > 0  # the layers did run on the workers
 
 
+# One-token passes of a runner over two workers, the bytes each sent to them and their logits' sum. A
+# second runner's context is made and then freed (no spare kept) between passes: a worker forgets its
+# stored graphs when a buffer is freed on it.
+PASSES_ROUND_A_FREE = """
+import sys, torch
+from specexec.backends.llamacpp import model as model_module, rpc
+from specexec.backends.llamacpp.model import LlamaCppModel
+from specexec.backends.llamacpp.runner import LlamaCppRunner
+
+model_module.SPARE_CONTEXTS = 0
+endpoints = tuple(sys.argv[2].split(","))
+model = LlamaCppModel(sys.argv[1], threads=1, rpc=endpoints)
+runner = LlamaCppRunner(model, 64)
+runner.extend(torch.tensor([3, 17, 42, 7]))
+sent, total = [], 0.0
+
+def step(token):
+    global total
+    before = rpc.traffic(endpoints)[0]
+    total += float(runner.extend(torch.tensor([token])).double().sum())
+    sent.append(rpc.traffic(endpoints)[0] - before)
+
+step(5), step(6), step(7)
+other = LlamaCppRunner(model, 32)
+step(8)
+del other
+step(9), step(10)
+print(*sent, total)
+"""
+
+
+def test_a_repeated_pass_sends_no_graph_and_a_freed_context_ends_reuse_without_a_crash(
+    ggufs, tmp_path: Path
+) -> None:
+    """With the README's build, llama.cpp reuses a pass's graph over RPC: a pass of the shape of the one
+    before sends the workers a fraction of what a pass sends with reuse off, and gives the same logits.
+    After a buffer is freed on the workers, the next pass sends its graph whole: without the build fix
+    (reuse forced on), the workers refused it and the process died ("lost the connection")."""
+    assert rpc.graph_reuse_safe()
+    script = tmp_path / "passes.py"
+    script.write_text(PASSES_ROUND_A_FREE)
+    endpoints, started = start_workers(2)
+    runs = {}
+    try:
+        for reuse in (True, False):
+            env = dict(os.environ, LLAMA_GRAPH_REUSE_DISABLE="0" if reuse else "1")
+            done = subprocess.run(
+                [sys.executable, str(script), str(ggufs[0]), ",".join(endpoints)],
+                capture_output=True, text=True, timeout=120, env=env,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            *sent, total = done.stdout.split()
+            runs[reuse] = [int(b) for b in sent], float(total)
+    finally:
+        for worker in started:
+            stop(worker)
+    (reused, reused_total), (whole, whole_total) = runs[True], runs[False]
+    assert reused_total == whole_total
+    graph = min(whole)  # every pass without reuse sends its graph
+    assert reused[0] > graph / 2  # the first one-token pass: a new graph
+    assert max(reused[1], reused[2], reused[5]) < graph / 4  # the same shape again: no graph
+    assert reused[4] > graph / 2  # after the free: sent whole, and computed
+
+
 def test_every_method_gives_ars_greedy_tokens_over_rpc(ggufs, rpc_workers) -> None:
     target = LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)
     draft = LlamaCppModel(ggufs[1], threads=1)
@@ -282,6 +346,17 @@ import specexec
 from specexec.backends.llamacpp.model import LlamaCppModel
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even in a background job
+if sys.argv[4:] == ["wait-before-load"]:  # the worker connected, its layers not sent: go on when told
+    from specexec.backends.llamacpp import rpc
+
+    watch = rpc.Placement.watch
+
+    def watch_then_wait(placement):
+        watch(placement)
+        print("connected", flush=True)
+        sys.stdin.readline()
+
+    rpc.Placement.watch = watch_then_wait
 target = LlamaCppModel(sys.argv[1], threads=1, rpc=(sys.argv[2],))
 print("loaded", flush=True)
 for _ in range(int(sys.argv[3])):
@@ -327,22 +402,30 @@ def test_a_worker_killed_mid_generation_ends_it_in_one_line_and_a_restarted_one_
 
 @contextlib.contextmanager
 def stopped_mid_generation(
-    gguf: Path, tmp_path: Path, after: float = 1.0
+    gguf: Path, tmp_path: Path, after: float | None = 1.0
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """A process generating on one worker, and the worker stopped (SIGSTOP) `after` seconds after the
-    model loaded: the process and the worker's endpoint. The worker is continued and killed after."""
+    model loaded, or (None) once connected, before the model's layers are sent to it: the process and the
+    worker's endpoint. The worker is continued and killed after."""
     script = tmp_path / "generate.py"
     script.write_text(GENERATE)
     port = free_port()
     worker = start_worker(port)
+    before_load = ["wait-before-load"] if after is None else []
     child = subprocess.Popen(
-        [sys.executable, str(script), str(gguf), f"127.0.0.1:{port}", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(script), str(gguf), f"127.0.0.1:{port}", "100000", *before_load],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        assert child.stdout.readline() == "loaded\n"
-        time.sleep(after)
-        worker.send_signal(signal.SIGSTOP)
+        if after is None:
+            assert child.stdout.readline() == "connected\n"
+            worker.send_signal(signal.SIGSTOP)
+            child.stdin.write("load\n")
+            child.stdin.flush()
+        else:
+            assert child.stdout.readline() == "loaded\n"
+            time.sleep(after)
+            worker.send_signal(signal.SIGSTOP)
         yield child, f"127.0.0.1:{port}"
     finally:
         child.kill()
@@ -365,14 +448,15 @@ def test_ctrl_c_ends_a_pass_that_a_stopped_worker_never_answers(ggufs, tmp_path:
     assert child.stderr.read().strip() == "specexec: interrupted"
 
 
-@pytest.mark.parametrize("after", [0.0, 1.0])
+@pytest.mark.parametrize("after", [None, 0.0, 1.0])
 def test_a_worker_that_stops_answering_heartbeats_ends_the_generation_in_one_line(
-    after: float, ggufs, tmp_path: Path
+    after: float | None, ggufs, tmp_path: Path
 ) -> None:
     """A stopped worker, no Ctrl-C: its heartbeats missed for heartbeat.LOST_AFTER seconds end the
     generation in one line, with status 1 (before heartbeats, it waited for good: the test above),
-    whether the worker stopped as the first context was made on it (`after` 0: a call that is not a
-    pass, which once went unwatched) or while it generated."""
+    whether the worker stopped before its layers were sent (`after` None: the load, which once went
+    unwatched), as the first context was made on it (0: a call that is not a pass, which once went
+    unwatched too) or while it generated."""
     with stopped_mid_generation(ggufs[0], tmp_path, after) as (child, endpoint):
         stopped = time.monotonic()
         child.wait(timeout=60)
@@ -426,6 +510,43 @@ def test_heartbeats_keep_a_busy_worker_and_give_up_a_silent_one_during_passes_on
     time.sleep(3.0)
     assert [endpoint for endpoint, _ in lost] == [silent.endpoint]
     assert 0.6 - 0.1 <= lost[0][1] - quiet < 1.5  # its last answer may have come a question before
+
+
+def test_the_watch_lets_go_of_a_worker_once_no_model_is_on_it() -> None:
+    """A worker two models were on, one freed: still watched (its silence during a call is a loss). Both
+    freed: no longer watched, so a worker gone with its models is not taken for lost in a later call on
+    other workers (the negative control: the same silence, watched, was)."""
+    gone, steady = heartbeats(), heartbeats()
+    steady.answering.set()
+    lost: list[str] = []
+    watch = heartbeat.Watch(lambda: True, lost.append, lost_after=0.6, every=0.1)
+    watch.add(steady.endpoint)
+    watch.add(gone.endpoint)
+    watch.add(gone.endpoint)
+    watch.remove(gone.endpoint)
+    time.sleep(1.5)
+    assert lost == [gone.endpoint]
+    lost.clear()
+    watch = heartbeat.Watch(lambda: True, lost.append, lost_after=0.6, every=0.1)
+    watch.add(steady.endpoint)
+    watch.add(gone.endpoint)
+    watch.add(gone.endpoint)
+    watch.remove(gone.endpoint)
+    watch.remove(gone.endpoint)
+    time.sleep(1.5)
+    assert lost == []
+
+
+def test_a_freed_models_workers_leave_the_watch(ggufs) -> None:
+    endpoints, started = start_workers(2)
+    try:
+        model = LlamaCppModel(ggufs[0], threads=1, rpc=endpoints)
+        assert set(endpoints) <= set(rpc._WATCH._holders)
+        del model
+        assert not set(endpoints) & set(rpc._WATCH._holders)
+    finally:
+        for worker in started:
+            stop(worker)
 
 
 def test_probe_says_whether_a_worker_answers_heartbeats() -> None:

@@ -70,6 +70,7 @@ class LlamaCpp:
             self.gguf, replace(options, ram=None), ram is None, n_ctx=context, n_threads=self.threads
         )
         self.llm, self.extra_buffers = loaded.loaded, loaded.extra_buffers
+        self.workers = loaded.placement  # kept with the model: its workers are watched while it lives
         self.short = ram is not None and ram < file_bytes(self.gguf)  # else it all stays in RAM
         if self.short:  # loading read it all
             evict(self.gguf)
@@ -166,6 +167,7 @@ class LlamaCppSpeculative:
             draft_model=self.drafter,
         )  # fmt: skip
         self.llm, self.streamer, self.extra_buffers = loaded.loaded, loaded.streamer, loaded.extra_buffers
+        self.workers = loaded.placement  # kept with the model: its workers are watched while it lives
         # Every derived draft copy has the same file name: its folder says which copy it is.
         draft_name = (
             Path(draft).name if Path(draft).name != COPY_FILE else f"{Path(draft).parent.name}/{COPY_FILE}"

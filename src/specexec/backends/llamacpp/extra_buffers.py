@@ -1,7 +1,7 @@
 """Whether llama.cpp's extra buffer types (AMX tiles, repacked weights) run on this CPU with this build.
 
 llama.cpp built by GCC 12 for an Intel CPU with AMX dies of SIGILL on its first multi-row AMX multiply
-(llama_cpp_amx.cmake says why and is the fix). A user's own build must not kill the process, so once per
+(llama_cpp_build.cmake says why and is the fix). A user's own build must not kill the process, so once per
 library build and CPU a child process loads a tiny Q8_0 model with llama.cpp's defaults (extra buffer
 types on) and decodes a block of tokens. The answer is cached under the cache root, keyed on the bytes
 of llama-cpp-python's libraries and the CPU's identity and flags. Where the child fails, every model

@@ -85,40 +85,56 @@ class Watch:
         self.in_call, self.on_lost = in_call, on_lost
         self.lost_after, self.every = lost_after, every
         self._sockets: dict[str, socket.socket] = {}
+        self._holders: dict[str, int] = {}  # models on each watched worker
         self._heard: dict[str, float] = {}
         self._lock = threading.Lock()
         self._asked = 0
         threading.Thread(target=self._run, name="specexec-rpc-watch", daemon=True).start()
 
     def add(self, endpoint: str) -> None:
-        """Watch the worker at `endpoint` from now on."""
+        """Watch the worker at `endpoint` from now on, for one more model on it."""
         with self._lock:
             if endpoint not in self._sockets:
                 sock = _socket(endpoint)
                 sock.setblocking(False)
                 self._sockets[endpoint] = sock
                 self._heard[endpoint] = time.monotonic()
+            self._holders[endpoint] = self._holders.get(endpoint, 0) + 1
+
+    def remove(self, endpoint: str) -> None:
+        """One model fewer on the worker at `endpoint`: with none left, it is no longer watched (it may
+        be gone for good, and no call waits on it)."""
+        with self._lock:
+            self._holders[endpoint] -= 1
+            if not self._holders[endpoint]:
+                del self._holders[endpoint], self._heard[endpoint]
+                self._sockets.pop(endpoint).close()
 
     def _run(self) -> None:
         while True:
             time.sleep(self.every)
             with self._lock:
-                watched = dict(self._sockets)
-            now = time.monotonic()
-            for endpoint, sock in watched.items():
-                if self._answered(sock):
-                    self._heard[endpoint] = now
-            if not self.in_call():
-                self._heard.update(dict.fromkeys(watched, now))
-                continue
-            lost = [endpoint for endpoint in watched if now - self._heard[endpoint] > self.lost_after]
-            if lost:
-                self.on_lost(lost[0])
+                lost = self._round(time.monotonic())
+            if lost is not None:
+                self.on_lost(lost)
                 return
-            self._asked += 1
-            for sock in watched.values():
-                with contextlib.suppress(OSError):  # refused: a dead worker, which its connection tells
-                    sock.send(_ASK + self._asked.to_bytes(8, "little"))
+
+    def _round(self, now: float) -> str | None:
+        """Read the answers; return a worker silent for `lost_after` seconds during a call, or ask again."""
+        for endpoint, sock in self._sockets.items():
+            if self._answered(sock):
+                self._heard[endpoint] = now
+        if not self.in_call():
+            self._heard.update(dict.fromkeys(self._sockets, now))
+            return None
+        lost = [endpoint for endpoint in self._sockets if now - self._heard[endpoint] > self.lost_after]
+        if lost:
+            return lost[0]
+        self._asked += 1
+        for sock in self._sockets.values():
+            with contextlib.suppress(OSError):  # refused: a dead worker, which its connection tells
+                sock.send(_ASK + self._asked.to_bytes(8, "little"))
+        return None
 
     @staticmethod
     def _answered(sock: socket.socket) -> bool:

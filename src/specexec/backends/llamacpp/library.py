@@ -18,10 +18,10 @@ INSTALL_HINT = "pip install 'specexec[llamacpp]' (pip builds llama.cpp from sour
 
 def rebuild_command() -> str:
     """The command that rebuilds the installed llama-cpp-python as the README's install builds it: with
-    llama.cpp's RPC backend and llama_cpp_amx.cmake's fix (the installed version, from source)."""
+    llama.cpp's RPC backend and llama_cpp_build.cmake's fixes (the installed version, from source)."""
     import llama_cpp
 
-    include = Path(__file__).with_name("llama_cpp_amx.cmake")
+    include = Path(__file__).with_name("llama_cpp_build.cmake")
     return (
         f'CMAKE_ARGS="-DGGML_RPC=ON -DCMAKE_PROJECT_INCLUDE={include}" python -m pip install '
         f"--force-reinstall --no-cache-dir --no-deps llama-cpp-python=={llama_cpp.__version__}"

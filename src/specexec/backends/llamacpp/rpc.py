@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import ipaddress
 import math
 import os
@@ -28,6 +29,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +173,7 @@ class Placement:
     workers: list[Worker]
     blocks: list[range]
     _arrays: tuple = ()
+    _watched: bool = False
 
     def describe(self) -> str:
         """Which layers went where, for the stats line and the server log."""
@@ -203,9 +206,11 @@ class Placement:
         _end_in_one_line_on_abort()
 
     def watch(self) -> None:
-        """Once the model is loaded: a worker that stops acknowledging what is sent to it for
-        LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's connections to the
-        workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes.
+        """Once the workers are connected (`apply`), before the load, and again after it (the load opens
+        more connections; the rest is done once): a worker that stops acknowledging
+        what is sent to it for LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's
+        connections to the workers), so a worker gone from the network ends a pass in seconds instead of
+        TCP's minutes.
         Keep-alive probes every second while a pass waits for a worker's answer give the timeout
         something to wait for even when this side has nothing left to send. A worker that answers
         heartbeats and stops answering them for heartbeat.LOST_AFTER seconds while a call waits on the
@@ -218,13 +223,18 @@ class Placement:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-        _watch_heartbeats([w.endpoint for w in self.workers if w.heartbeat])
-        _cut_on_interrupt()
+        if not self._watched:
+            self._watched = True
+            beating = [w.endpoint for w in self.workers if w.heartbeat]
+            _watch_heartbeats(beating)
+            weakref.finalize(self, _unwatch_heartbeats, beating)  # the model gone, its workers may go too
+            _cut_on_interrupt()
 
     def record(self) -> dict:
         """What a benchmark's machine record says of the workers."""
         return {
             "placement": self.describe(),
+            "graph_reuse": graph_reuse_safe(),
             "workers": [
                 {"endpoint": w.endpoint, "layers": [b.start, b.stop - 1], "round_trip_ms": w.round_trip * 1e3,
                  "free_bytes": w.free, "protocol": ".".join(map(str, w.version)), "heartbeat": w.heartbeat}
@@ -234,11 +244,13 @@ class Placement:
 
     def key(self) -> str:
         """What the calibration keys on: each worker, its layers, and the round trip to it, rounded to a
-        power of two milliseconds (a loopback's jitter stays in one step, a network's delay does not)."""
-        return ",".join(
+        power of two milliseconds (a loopback's jitter stays in one step, a network's delay does not),
+        and whether graphs are reused."""
+        held = ",".join(
             f"{w.endpoint}[{b.start}-{b.stop - 1}]{_round_trip_step(w.round_trip):g}ms"
             for w, b in zip(self.workers, self.blocks, strict=True)
         )
+        return held + ("+graph-reuse" if graph_reuse_safe() else "")  # a repeated pass sends no graph
 
 
 def _round_trip_step(seconds: float) -> float:
@@ -286,14 +298,25 @@ def model_layers(gguf: Path) -> int:
     return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
 
 
+@functools.cache
+def graph_reuse_safe() -> bool:
+    """Whether llama.cpp may reuse graphs of a model on workers here: this llama-cpp-python was built with
+    llama_cpp_build.cmake's RPC fix. A reused graph is recomputed on a worker as the graph it stored last
+    (RPC_CMD_GRAPH_RECOMPUTE) instead of being sent again, but a worker forgets its stored graphs whenever
+    a buffer is freed on it (a context freed, a cache grown) and llama.cpp's client does not: the worker
+    refused the next reused graph, closed the connection, and ggml-rpc aborted the process. The fix makes
+    the client forget too."""
+    ggml = _ggml_library()
+    reg = ggml.ggml_backend_reg_by_name(b"RPC")
+    return bool(reg) and bool(ggml.ggml_backend_reg_get_proc_address(reg, b"specexec_graph_reuse_safe"))
+
+
 @contextlib.contextmanager
-def graph_reuse_off(off: bool) -> Iterator[None]:
-    """While a context of a model on workers is made: llama.cpp's graph reuse off for it. A reused graph is
-    recomputed on a worker as the graph it stored last for that device (RPC_CMD_GRAPH_RECOMPUTE), which
-    with several contexts on one model was not the right one: the worker refused it and closed the
-    connection, and ggml-rpc aborted the process. Every pass then sends its graph whole. llama.cpp reads
-    the switch when it makes a context."""
-    if not off:
+def graph_reuse_off(on_workers: bool) -> Iterator[None]:
+    """While a context of a model is made: llama.cpp's graph reuse off for it if the model is on workers
+    and reuse is not safe there (`graph_reuse_safe`); every pass then sends its graph whole. llama.cpp
+    reads the switch when it makes a context."""
+    if not on_workers or graph_reuse_safe():
         yield
         return
     before = os.environ.get(_GRAPH_REUSE_SWITCH)
@@ -417,6 +440,11 @@ def _watch_heartbeats(endpoints: list[str]) -> None:
         _WATCH.add(endpoint)
 
 
+def _unwatch_heartbeats(endpoints: list[str]) -> None:
+    for endpoint in endpoints:
+        _WATCH.remove(endpoint)
+
+
 _WAKEUP: socket.socket | None = None
 
 
@@ -535,6 +563,10 @@ def _ggml_library() -> ctypes.CDLL:
     ggml.ggml_backend_reg_dev_get.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     ggml.ggml_backend_dev_by_type.argtypes = (ctypes.c_int,)
+    ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_by_name.argtypes = (ctypes.c_char_p,)
+    ggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_get_proc_address.argtypes = (ctypes.c_void_p, ctypes.c_char_p)
     return ggml
 
 

@@ -6,6 +6,7 @@ with llama.cpp's defaults, on purpose); the rest of the package reaches streamin
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,16 +55,19 @@ def load_weights(
         batch_invariant_kernels()
         extra_buffers = False  # repacked weights' kernels sum a row differently from 4 rows up
     placement = None
+    on_workers = contextlib.nullcontext()
     if options.rpc:
         placement = rpc.placement(options.rpc, rpc.model_layers(gguf), options.split)
         placement.apply(params)
+        placement.watch()  # from the load on: it sends the workers their layers
+        on_workers = rpc.on_workers()
     if plan is None or not plan.streamed:
         if not (extra_buffers and extra_buffers_usable()):
             params.use_extra_bufts = False  # asked, or AMX or repacked kernels would kill the process
-        with rpc.graph_reuse_off(placement is not None):  # for a context `load` makes (the bench's peers)
+        with rpc.graph_reuse_off(placement is not None), on_workers:  # graphs: of the bench's peers' contexts
             loaded = load(params, None)
         if placement is not None:
-            placement.watch()
+            placement.watch()  # the connections the load opened too
         return LoadedWeights(loaded, None, bool(params.use_extra_bufts), placement)
     # Weights read straight from llama.cpp's mapping: not repacked into anonymous memory.
     params.use_extra_bufts = False
