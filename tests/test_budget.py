@@ -161,6 +161,31 @@ def test_sizing_maximises_the_generations_rate_not_each_steps_own() -> None:
     assert chain.should_stop(0.95)
 
 
+def test_a_one_token_pass_after_a_tree_is_priced_with_its_reshape() -> None:
+    """llama.cpp reuses the graph of a pass shaped as the one before (over RPC it then sends none), so a
+    one-token pass costs `reshape` more after a tree than after another one-token pass. After a tree,
+    verifying nothing beyond the root is priced with it, and a node that does not pay against a repeated
+    one-token pass pays against that one; after a plain pass, not. A cost model without reshape (the
+    negative control) decodes plainly in both."""
+    cost = CostModel({1: 0.10, 2: 0.16, 3: 0.22}, {1: 0.01, 2: 0.01}, reshape=0.05)
+    probs = torch.tensor([0.5])  # one node: 1.5 tokens in 0.16 s against 1 in 0.10 s (or 0.15 s)
+    policy = AutoBudget(cost)
+    achieving(policy, 10.0)  # plain decoding's rate
+    policy.observe_pass(4, 0.0, 0.2)  # a tree
+    assert policy.best_size(probs, draft_seconds=0.0)[0] == 1
+    assert policy.step_seconds(0, 0.0) == pytest.approx(0.15)
+    policy.observe_pass(1, 0.0, 0.1)  # a one-token pass
+    assert policy.best_size(probs, draft_seconds=0.0)[0] == 0
+    assert policy.step_seconds(0, 0.0) == pytest.approx(0.10)
+    control = AutoBudget(CostModel(cost.target, cost.draft))
+    achieving(control, 10.0)
+    control.observe_pass(4, 0.0, 0.2)
+    assert control.best_size(probs, draft_seconds=0.0)[0] == 0
+    again = CostModel.from_json(json.loads(json.dumps(cost.to_json())))
+    assert again.reshape == 0.05 and again.fingerprint() == cost.fingerprint()
+    assert cost.with_target_pace(2.0).reshape == pytest.approx(0.10)
+
+
 def test_sizing_values_time_at_least_at_plain_decodings_rate() -> None:
     """Drafting that lost so far puts the achieved rate below plain decoding's. Time must still be valued
     at plain decoding's rate, which not drafting achieves; at the achieved rate a losing generation

@@ -170,6 +170,29 @@ def test_calibration_times_what_a_pause_before_a_target_pass_saves(models, monke
     assert CostModel.from_json(streamed.to_json()).fingerprint() == streamed.fingerprint()
 
 
+def test_calibration_times_what_a_one_token_pass_costs_more_after_another_shape(models, monkeypatch) -> None:
+    """llama.cpp reuses a repeated shape's graph: here a one-token target pass costs 0.05 s more right
+    after a pass of another shape. The one-token cost is the repeated pass's, and the reshape the
+    difference; a target without it (the negative control) has none."""
+
+    def with_reshape(extra: float):
+        last = [0]
+
+        def seconds(n: int, k: int) -> float:
+            took = 0.1 + 0.01 * n + (extra if n == 1 and last[0] != 1 else 0.0)
+            last[0] = n
+            return took
+
+        return seconds
+
+    draft = lambda n, k: 0.01 * n  # noqa: E731
+    cost, _ = calibrate_on_a_fake_clock(models, monkeypatch, with_reshape(0.05), draft_seconds=draft)
+    assert cost.reshape == pytest.approx(0.05)
+    assert cost.target_seconds(1) == pytest.approx(0.11)
+    control, _ = calibrate_on_a_fake_clock(models, monkeypatch, with_reshape(0.0), draft_seconds=draft)
+    assert control.reshape == 0.0
+
+
 def test_calibration_keeps_a_batch_that_costs_less_than_a_smaller_one(models, monkeypatch) -> None:
     """llama.cpp's repacked kernels run rows in groups: 4 tokens can cost less than 3 (IQ4_NL on AVX-512:
     1.56x against 2.1x of one). The machine meanwhile switches between two speeds, 1.8x apart, every 20

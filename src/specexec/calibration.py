@@ -51,7 +51,7 @@ SPARSE_SIZES = (1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 128, 129, 256, 512, 1024)
 # and every size's cost includes it. Pairs are cheap beside the sizes: this many per round of sizes.
 OVERLAP_SAMPLES = 3
 # Part of the calibration cache key: a new way of timing invalidates curves measured the old way.
-CALIBRATION_FORMAT = "paired-ratios-slow-repeated-blocks-of-16-paused-overlap-3x"
+CALIBRATION_FORMAT = "paired-ratios-slow-repeated-blocks-of-16-paused-overlap-3x-reshape"
 
 
 def calibrate(
@@ -91,6 +91,9 @@ def calibrate(
     the overlap on top of it. What a pause saves shrinks as a pass turns compute-bound (the 1.5B target
     at --ram 0: 0.08-0.12 s for 1-16 tokens, 0.05 s for 17, nothing from 32), so a curve timed pass
     after pass, less one overlap for every size, priced the large passes too low.
+
+    The target's `reshape` is timed as its overlap is, in pairs: a one-token pass right after a two-token
+    one against one right after another one-token pass (llama.cpp reuses a repeated shape's graph).
     """
     timer = _Timer({"target": target, "draft": draft}, context)
     with torch.inference_mode():
@@ -108,6 +111,9 @@ def calibrate(
                     bar.update()
         pairs = OVERLAP_SAMPLES * (1 if "target" in warm_up.very_slow else repeats)
         overlap = max(0.0, statistics.median(timer.overlap() for _ in range(pairs)))
+        reshape = 0.0  # a very slow target's pass dwarfs a graph built again
+        if "target" not in warm_up.very_slow:
+            reshape = max(0.0, statistics.median(timer.reshape() for _ in range(pairs)))
     # The target's sizes above one token were timed after a pause: add back what the pause took off.
     added = {"target": overlap, "draft": 0.0}
     target_curve, draft_curve = (
@@ -117,7 +123,7 @@ def calibrate(
         }
         for name in timer.names
     )
-    return CostModel(target_curve, draft_curve, label, overlap, measured=True)
+    return CostModel(target_curve, draft_curve, label, overlap, measured=True, reshape=reshape)
 
 
 class _Timer:
@@ -159,6 +165,14 @@ class _Timer:
         if name == "target":
             sleep(one)
         return one, self.forward(name, n) / one
+
+    def reshape(self) -> float:
+        """How much longer a one-token target pass takes right after a two-token one than right after a
+        one-token one (a graph built, and over RPC sent, again)."""
+        self.forward("target", 1)
+        repeated = self.forward("target", 1)
+        self.forward("target", 2)
+        return self.forward("target", 1) - repeated
 
     def overlap(self) -> float:
         """How much sooner a one-token target pass ends after a pause as long as a pass."""

@@ -22,6 +22,11 @@ class CostModel:
     disk reads its first units ahead while the draft works, up to its read-ahead window; the target
     times were taken pass after pass, without that head start.
 
+    `reshape`: seconds a one-token target pass costs more right after a pass of another shape (a tree's)
+    than right after another one-token pass, as `target` times it. llama.cpp reuses the compute graph of
+    a batch shaped as the one before; over RPC workers a reused graph is not sent again (71 KiB a pass
+    instead of 497 for the 1.5B target over two workers).
+
     `measured`: timed on this machine (`calibration.calibrate`). The policies then price the target at
     the pace its passes actually run (`TargetPace`): a measurement is a snapshot of a machine that
     drifts. A model written by hand is priced as written.
@@ -34,16 +39,18 @@ class CostModel:
         label: str = "",
         overlap: float = 0.0,
         measured: bool = False,
+        reshape: float = 0.0,
     ) -> None:
         if len(target) < 2 or len(draft) < 2:
             raise ValueError("a cost model needs at least two measured sizes per model")
-        if overlap < 0:
-            raise ValueError("a cost model's overlap is a time: at least 0")
+        if overlap < 0 or reshape < 0:
+            raise ValueError("a cost model's overlap and reshape are times: at least 0")
         self.target = dict(sorted(target.items()))
         self.draft = dict(sorted(draft.items()))
         self.label = label
         self.overlap = overlap
         self.measured = measured
+        self.reshape = reshape
 
     def target_seconds(self, tokens: int) -> float:
         return _interpolate(self.target, tokens)
@@ -57,20 +64,22 @@ class CostModel:
         return (drafting - self.overlap).clamp(min=0.0)
 
     def with_target_pace(self, factor: float) -> CostModel:
-        """This model with the target's times and its overlap `factor` times the measured ones (the
-        overlap is the target reading ahead: on a slower disk the same window takes as much longer)."""
+        """This model with the target's times, its overlap and its reshape `factor` times the measured
+        ones (the overlap is the target reading ahead: on a slower disk the same window takes as much
+        longer)."""
         target = {n: seconds * factor for n, seconds in self.target.items()}
-        return CostModel(target, self.draft, self.label, self.overlap * factor, self.measured)
+        overlap, reshape = self.overlap * factor, self.reshape * factor
+        return CostModel(target, self.draft, self.label, overlap, self.measured, reshape)
 
     def to_json(self) -> dict:
         return {
             "label": self.label, "target": self.target, "draft": self.draft, "overlap": self.overlap,
-            "measured": self.measured,
+            "measured": self.measured, "reshape": self.reshape,
         }  # fmt: skip
 
     def fingerprint(self) -> tuple:
         """Equal for cost models of the same measurements (a calibration read from disk twice)."""
-        return self.label, tuple(self.target.items()), tuple(self.draft.items()), self.overlap
+        return self.label, tuple(self.target.items()), tuple(self.draft.items()), self.overlap, self.reshape
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
@@ -78,7 +87,8 @@ class CostModel:
         target, draft = as_points(data["target"]), as_points(data["draft"])
         # Files without "measured" are calibrations written before it was recorded.
         measured = bool(data.get("measured", True))
-        return cls(target, draft, data.get("label", ""), float(data.get("overlap", 0.0)), measured)
+        overlap, reshape = float(data.get("overlap", 0.0)), float(data.get("reshape", 0.0))
+        return cls(target, draft, data.get("label", ""), overlap, measured, reshape)
 
 
 def _interpolate(points: dict[int, float], x: int) -> float:

@@ -76,6 +76,7 @@ class DraftingPolicy:
     acceptance: AcceptanceModel
     gate: SpeculationGate
     chain_times: list[float]
+    after_plain: bool  # the last target pass took one token: the next one-token pass repeats its shape
 
     def _fresh(self, cost: CostModel, chain_length: int) -> None:
         """A new policy's state: nothing learnt, the target priced as calibrated."""
@@ -83,6 +84,7 @@ class DraftingPolicy:
         self.chain_times = chain_seconds(cost, chain_length)
         self.acceptance = AcceptanceModel()
         self.gate = SpeculationGate(cost)
+        self.after_plain = False  # after the prompt's prefill
 
     def observe_pass(self, tokens: int, drafting: float, seconds: float) -> None:
         """A verification over `tokens` tokens, after `drafting` seconds of drafting (as the cost model
@@ -90,6 +92,7 @@ class DraftingPolicy:
         target's time less what a streamed target read ahead meanwhile, the `overlap`, both at the pace).
         The rules are priced at the pace while it is more than PACE_BAND off the calibration, and as
         calibrated within it. Only a measured cost model follows (`CostModel.measured`)."""
+        self.after_plain = tokens == 1
         if not self.calibrated.measured:
             return
         pace, measured = self.pace.factor, self.calibrated
@@ -140,8 +143,11 @@ class DraftingPolicy:
         return chain_pays(self.acceptance.surest(), self.gate.plain_rate, self.chain_times)
 
     def drafts_now(self) -> bool:
-        """Whether this step drafts (consumes one step of the gate's pause when not)."""
-        return self.gate.allows() and self.worth_drafting()
+        """Whether this step drafts (consumes one step of the gate's pause when not: the step is then a
+        one-token pass)."""
+        drafts = self.gate.allows() and self.worth_drafting()
+        self.after_plain = self.after_plain or not drafts
+        return drafts
 
     def may_draft(self, steps: int = 1) -> bool:
         """Whether some step of the next `steps` may draft: the gate's pause ends within them and drafting

@@ -19,7 +19,8 @@ class AutoBudget(DraftingPolicy):
     A node is accepted with probability P = the product, along its path, of the `AcceptanceModel` rate of
     each token's conditional draft probability. The tree of size b (the b most likely nodes) is expected
     to emit E(b) = 1 + the sum of their P in T(b) = draft time spent (less the cost model's `overlap`)
-    + target time for b + 1 tokens.
+    + target time for b + 1 tokens; for b = 0 after a pass of more tokens, plus the cost model's
+    `reshape` (the one-token pass is timed right after another).
     What a generation maximises is its total tokens over its total time, not each step's own E / T: a node
     is worth adding whenever it pays better than the rate the generation achieves, even if it lowers an
     already fast step's ratio. So each step maximises the value E(b) - λ T(b), λ being the achieved rate
@@ -59,17 +60,24 @@ class AutoBudget(DraftingPolicy):
         log_p = tree.ancestors[:size, :size].float().cpu() @ rates.log()  # sum over each path
         return log_p.exp()
 
+    def _targets(self) -> torch.Tensor:
+        """The target's time for 1 .. max_budget + 1 tokens in this step: one token costs `reshape` more
+        unless the last pass took one too."""
+        if self.after_plain or not self.cost.reshape:
+            return self.target_table
+        return torch.cat([self.target_table[:1] + self.cost.reshape, self.target_table[1:]])
+
     def best_size(self, ranked_probs: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
         """(b, value) maximising E(b) - λ T(b) over b = 0..len(ranked_probs), nodes best first."""
         gains = torch.cat([torch.ones(1), 1 + ranked_probs.cumsum(0)])  # (n+1,)
-        seconds = self.cost.exposed(torch.tensor(draft_seconds)) + self.target_table[: len(gains)]  # (n+1,)
+        seconds = self.cost.exposed(torch.tensor(draft_seconds)) + self._targets()[: len(gains)]  # (n+1,)
         values = gains - self.gate.floor_rate * seconds
         best = int(values.argmax())
         return best, float(values[best])
 
     def step_seconds(self, size: int, draft_seconds: float) -> float:
         """T(b) of a step that spent `draft_seconds` drafting and verifies `size` draft nodes."""
-        return float(self.cost.exposed(torch.tensor(draft_seconds)) + self.target_table[size])
+        return float(self.cost.exposed(torch.tensor(draft_seconds)) + self._targets()[size])
 
     def frontier_size(
         self, ranked: torch.Tensor, frontier: torch.Tensor, draft_seconds: float, child_accept: float
@@ -112,7 +120,7 @@ class AutoBudget(DraftingPolicy):
         nodes = nodes.sort(dim=1, descending=True).values[:, : self.max_budget]
         gains = torch.cat([torch.ones(rows, 1), 1 + nodes.clamp(min=0).cumsum(1)], dim=1)  # (R, b + 1)
         sizes = gains.shape[1]
-        seconds = self.cost.exposed(drafting) + self.target_table[None, :sizes]
+        seconds = self.cost.exposed(drafting) + self._targets()[None, :sizes]
         values = gains - self.gate.floor_rate * seconds  # (R, b + 1)
         drafted = torch.arange(sizes) <= len(ranked) + (grown >= 0).sum(dim=1, keepdim=True)
         return values.masked_fill(~drafted, float("-inf")).amax(dim=1)

@@ -234,7 +234,7 @@ class Placement:
         """What a benchmark's machine record says of the workers."""
         return {
             "placement": self.describe(),
-            "graph_reuse": graph_reuse_safe(),
+            "graph_reuse": graph_reuse_on(),
             "workers": [
                 {"endpoint": w.endpoint, "layers": [b.start, b.stop - 1], "round_trip_ms": w.round_trip * 1e3,
                  "free_bytes": w.free, "protocol": ".".join(map(str, w.version)), "heartbeat": w.heartbeat}
@@ -250,7 +250,7 @@ class Placement:
             f"{w.endpoint}[{b.start}-{b.stop - 1}]{_round_trip_step(w.round_trip):g}ms"
             for w, b in zip(self.workers, self.blocks, strict=True)
         )
-        return held + ("+graph-reuse" if graph_reuse_safe() else "")  # a repeated pass sends no graph
+        return held + ("+graph-reuse" if graph_reuse_on() else "")  # a repeated pass sends no graph
 
 
 def _round_trip_step(seconds: float) -> float:
@@ -309,6 +309,13 @@ def graph_reuse_safe() -> bool:
     ggml = _ggml_library()
     reg = ggml.ggml_backend_reg_by_name(b"RPC")
     return bool(reg) and bool(ggml.ggml_backend_reg_get_proc_address(reg, b"specexec_graph_reuse_safe"))
+
+
+def graph_reuse_on() -> bool:
+    """Whether a model's contexts made now on workers reuse graphs: safe here, and not switched off by
+    the user (llama.cpp's switch, read as a number)."""
+    switch = os.environ.get(_GRAPH_REUSE_SWITCH, "").strip()
+    return graph_reuse_safe() and not (switch.lstrip("+-").isdigit() and int(switch) != 0)
 
 
 @contextlib.contextmanager
