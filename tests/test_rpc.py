@@ -165,6 +165,21 @@ def test_a_repeated_pass_sends_no_graph_and_a_freed_context_ends_reuse_without_a
     assert reused[4] > graph / 2  # after the free: sent whole, and computed
 
 
+def test_a_build_without_the_rpc_fix_says_once_that_graphs_are_sent_whole(
+    ggufs, rpc_workers, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(rpc, "graph_reuse_safe", lambda: False)
+    rpc._note_graphs_sent_whole.cache_clear()
+    for _ in range(2):
+        LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specexec:")]
+    assert "every pass sends the workers its graph" in line and "--force-reinstall --no-cache-dir" in line
+    monkeypatch.undo()
+    rpc._note_graphs_sent_whole.cache_clear()
+    LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)  # the control: this build has the fix
+    assert "specexec:" not in capsys.readouterr().err
+
+
 def test_every_method_gives_ars_greedy_tokens_over_rpc(ggufs, rpc_workers) -> None:
     target = LlamaCppModel(ggufs[0], threads=1, rpc=rpc_workers)
     draft = LlamaCppModel(ggufs[1], threads=1)

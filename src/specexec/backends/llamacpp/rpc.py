@@ -204,13 +204,13 @@ class Placement:
         params.n_gpu_layers = -1  # every layer on the devices, but for LOCAL_TENSORS
         self._arrays = (device_array, split, overrides)
         _end_in_one_line_on_abort()
+        _note_graphs_sent_whole()
 
     def watch(self) -> None:
         """Once the workers are connected (`apply`), before the load, and again after it (the load opens
-        more connections; the rest is done once): a worker that stops acknowledging
-        what is sent to it for LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's
-        connections to the workers), so a worker gone from the network ends a pass in seconds instead of
-        TCP's minutes.
+        more connections; the rest is done once): a worker that stops acknowledging what is sent to it
+        for LOST_AFTER_MS ends the connection (TCP_USER_TIMEOUT on this process's connections to the
+        workers), so a worker gone from the network ends a pass in seconds instead of TCP's minutes.
         Keep-alive probes every second while a pass waits for a worker's answer give the timeout
         something to wait for even when this side has nothing left to send. A worker that answers
         heartbeats and stops answering them for heartbeat.LOST_AFTER seconds while a call waits on the
@@ -313,9 +313,21 @@ def graph_reuse_safe() -> bool:
 
 def graph_reuse_on() -> bool:
     """Whether a model's contexts made now on workers reuse graphs: safe here, and not switched off by
-    the user (llama.cpp's switch, read as a number)."""
-    switch = os.environ.get(_GRAPH_REUSE_SWITCH, "").strip()
-    return graph_reuse_safe() and not (switch.lstrip("+-").isdigit() and int(switch) != 0)
+    the user (llama.cpp's switch, read as C's atoi reads it)."""
+    number = re.match(r"\s*([+-]?\d+)", os.environ.get(_GRAPH_REUSE_SWITCH, ""))
+    return graph_reuse_safe() and not (number and int(number.group(1)) != 0)
+
+
+@functools.cache
+def _note_graphs_sent_whole() -> None:
+    """Say once, where this build cannot reuse graphs over RPC, that every pass sends its graph and how
+    to rebuild."""
+    if not graph_reuse_safe():
+        print(
+            "specexec: note: this llama-cpp-python was built without specexec's RPC fix, so every pass sends "
+            f"the workers its graph (plain decoding is slower); rebuild it: {rebuild_command()}",
+            file=sys.stderr,
+        )
 
 
 @contextlib.contextmanager

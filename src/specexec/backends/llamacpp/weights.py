@@ -64,7 +64,8 @@ def load_weights(
     if plan is None or not plan.streamed:
         if not (extra_buffers and extra_buffers_usable()):
             params.use_extra_bufts = False  # asked, or AMX or repacked kernels would kill the process
-        with rpc.graph_reuse_off(placement is not None), on_workers:  # graphs: of the bench's peers' contexts
+        # graph_reuse_off: for a context `load` makes (the bench's peers); on_workers: the load is watched
+        with rpc.graph_reuse_off(placement is not None), on_workers:
             loaded = load(params, None)
         if placement is not None:
             placement.watch()  # the connections the load opened too
