@@ -83,6 +83,17 @@ def _stores_before_ldtilecfg(obj: Path) -> int:
     return len(re.findall(r"\bmov\w*\s+[^\n]*,\s*-?(?:0x)?[0-9a-f]*\(%r[sb]p\)", body))
 
 
+def _configured(folder: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """The CMake project in `folder` configured with the fixes: its build folder and CMake's output."""
+    build = folder / "build"
+    configure = subprocess.run(
+        ["cmake", "-S", str(folder), "-B", str(build), f"-DCMAKE_PROJECT_INCLUDE={INCLUDE}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert configure.returncode == 0, configure.stderr
+    return build, configure
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AMX is x86-64's")
 @pytest.mark.skipif(
     not all(shutil.which(tool) for tool in ("cmake", "g++", "objdump")), reason="needs cmake, g++, objdump"
@@ -102,12 +113,7 @@ def test_the_build_fix_keeps_the_tile_configuration_in_ggmls_amx_file_only(tmp_p
     )
     (src / "ggml-cpu" / "amx" / "mmq.cpp").write_text(TILE_CONFIG)
     (src / "ggml-cpu" / "ops.cpp").write_text(TILE_CONFIG)
-    build = tmp_path / "build"
-    configure = subprocess.run(
-        ["cmake", "-S", str(tmp_path), "-B", str(build), f"-DCMAKE_PROJECT_INCLUDE={INCLUDE}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert configure.returncode == 0, configure.stderr
+    build, configure = _configured(tmp_path)
     if "CXX compiler identification is GNU" not in configure.stdout:
         pytest.skip("the fix is for GCC; other compilers build as they are")
     assert configure.stdout.count("compiles") == 1
@@ -173,9 +179,9 @@ int main() {
 """
 
 
-def _rpc_project(folder: Path, source: str) -> Path:
-    """A project whose `ggml-rpc` target compiles `source` (a program here), configured with the fixes;
-    its build folder."""
+def _rpc_project(folder: Path, source: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """A project whose `ggml-rpc` target compiles `source` (a program here), configured with the fixes:
+    its build folder and the configuration's output."""
     (folder / "CMakeLists.txt").write_text(
         "cmake_minimum_required(VERSION 3.21)\nproject(top CXX)\nadd_subdirectory(ggml/src/ggml-rpc)\n"
     )
@@ -183,17 +189,12 @@ def _rpc_project(folder: Path, source: str) -> Path:
     rpc.mkdir(parents=True)
     (rpc / "CMakeLists.txt").write_text("project(ggml CXX)\nadd_executable(ggml-rpc ggml-rpc.cpp)\n")
     (rpc / "ggml-rpc.cpp").write_text(source)
-    return folder / "build"
+    return _configured(folder)
 
 
 @pytest.mark.skipif(not all(shutil.which(tool) for tool in ("cmake", "g++")), reason="needs cmake, g++")
 def test_the_rpc_fix_makes_a_freed_buffer_end_graph_reuse_on_its_worker_only(tmp_path: Path) -> None:
-    build = _rpc_project(tmp_path, RPC_CLIENT)
-    configure = subprocess.run(
-        ["cmake", "-S", str(tmp_path), "-B", str(build), f"-DCMAKE_PROJECT_INCLUDE={INCLUDE}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert configure.returncode == 0, configure.stderr
+    build, configure = _rpc_project(tmp_path, RPC_CLIENT)
     assert configure.stdout.count("a freed buffer ends graph reuse on its worker") == 1
     made = subprocess.run(["cmake", "--build", str(build)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
@@ -216,12 +217,7 @@ def test_the_rpc_fix_makes_a_freed_buffer_end_graph_reuse_on_its_worker_only(tmp
 @pytest.mark.skipif(not shutil.which("cmake"), reason="needs cmake")
 def test_the_rpc_fix_leaves_a_ggml_rpc_it_does_not_know_as_it_is(tmp_path: Path) -> None:
     source = RPC_CLIENT.replace("static void ggml_backend_rpc_buffer_free_buffer", "static void free_buffer")
-    build = _rpc_project(tmp_path, source)
-    configure = subprocess.run(
-        ["cmake", "-S", str(tmp_path), "-B", str(build), f"-DCMAKE_PROJECT_INCLUDE={INCLUDE}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert configure.returncode == 0, configure.stderr
+    build, configure = _rpc_project(tmp_path, source)
     warnings = " ".join(configure.stderr.split())  # CMake wraps them
     assert "ggml-rpc.cpp is not the one this fix knows: graphs are not reused over RPC" in warnings
     assert not (build / "specexec").exists()
