@@ -36,12 +36,18 @@ class AutoBudget(DraftingPolicy):
         # Target time for 1 .. max_budget + 1 tokens and draft time for 1 .. max_budget nodes, looked up
         # every draft round (the target's as measured, then as priced: interpolation scales with it).
         self.measured_table = torch.tensor([cost.target_seconds(n) for n in range(1, max_budget + 2)])
-        self.target_table = self.measured_table
+        self._target_tables(self.measured_table)
         self.draft_table = torch.tensor([cost.draft_seconds(n) for n in range(1, max_budget + 1)])
 
     def _price(self, factor: float) -> None:
         super()._price(factor)
-        self.target_table = self.measured_table * factor
+        self._target_tables(self.measured_table * factor)
+
+    def _target_tables(self, table: torch.Tensor) -> None:
+        """The target's time for 1 .. max_budget + 1 tokens, as priced: after a one-token pass, and after
+        a pass of more tokens (one token then costs `reshape` more)."""
+        self.target_table = table
+        self.after_tree_table = torch.cat([table[:1] + self.cost.reshape, table[1:]])
 
     def draft_pass_seconds(self, nodes: int) -> float:
         """The cost model's time for a draft pass over `nodes` nodes."""
@@ -63,9 +69,7 @@ class AutoBudget(DraftingPolicy):
     def _targets(self) -> torch.Tensor:
         """The target's time for 1 .. max_budget + 1 tokens in this step: one token costs `reshape` more
         unless the last pass took one too."""
-        if self.after_plain or not self.cost.reshape:
-            return self.target_table
-        return torch.cat([self.target_table[:1] + self.cost.reshape, self.target_table[1:]])
+        return self.target_table if self.after_plain else self.after_tree_table
 
     def best_size(self, ranked_probs: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
         """(b, value) maximising E(b) - λ T(b) over b = 0..len(ranked_probs), nodes best first."""
